@@ -1,0 +1,62 @@
+# The README's commands. Each target does its own set-up on a fresh machine.
+#   make chat   the main job: set up, fetch the default model, chat with it in the terminal
+#   make test   set up, fetch the default model, ruff + pytest + the notebooks under nbval
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup model chat generate test lint unit notebooks-test notebooks bench clean
+
+setup: $(STAMP)
+
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+model: setup
+	$(BIN)/nanoserve fetch-model
+
+chat: model
+	$(BIN)/nanoserve chat
+
+generate: model
+	$(BIN)/nanoserve generate "Write a haiku about paged memory."
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check nanoserve tests days
+
+unit: model
+	$(BIN)/python -m pytest tests/ -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# Notebooks run under nbval against their committed outputs; running them must not change
+# any tracked file (under test they render their diagrams into a temporary folder).
+notebooks-test: model
+	@before=$$(git status --porcelain --untracked-files=all | sha1sum); \
+	$(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider; rc=$$?; \
+	[ $$rc -eq 5 ] && rc=0; \
+	after=$$(git status --porcelain --untracked-files=all | sha1sum); \
+	if [ "$$before" != "$$after" ]; then echo "running the notebooks changed the tree:"; git status --short; exit 1; fi; \
+	exit $$rc
+
+test: lint unit notebooks-test
+
+# Re-sync every notebook from its .py source and execute it in place (writes diagrams/).
+notebooks: model
+	cd notebooks && for py in day*.py; do \
+		../$(BIN)/jupytext --sync "$$py" && \
+		NANOSERVE_WRITE_DIAGRAMS=1 ../$(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+			--ExecutePreprocessor.timeout=600 "$${py%.py}.ipynb" || exit 1; \
+	done
+
+bench: model
+	$(BIN)/python -m nanoserve.bench decode
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,218 @@
+"""The `nanoserve` command: fetch-model, import-gguf, generate, chat, bench.
+
+Every command takes `--model DIR` (any Hugging Face Llama-family directory: config.json,
+safetensors, tokenizer.json); without it the default model is fetched and converted once.
+A mistake the user can fix (a bad path, an unknown option, a prompt that does not fit) is
+printed as one line, `nanoserve: error: ...`, with a non-zero exit code and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nanoserve.errors import NanoserveError
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line (argparse's own usage dump is two or more)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", metavar="DIR", help="HF Llama-family model directory (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 turns the top-k cut off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="nanoserve", description="An LLM inference engine written from scratch in PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    p = sub.add_parser("fetch-model", help="download and convert the default model (SmolLM2-135M-Instruct)")
+    p.add_argument("--home", type=Path, default=None, help="cache folder (default: $NANOSERVE_HOME)")
+
+    p = sub.add_parser("import-gguf", help="convert a llama-architecture GGUF file into a model directory")
+    p.add_argument("path", type=Path)
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: next to the file)")
+
+    p = sub.add_parser("generate", help="complete one prompt, streaming the text")
+    p.add_argument("prompt")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="a system message for the chat template")
+    add_model_args(p)
+    add_sampling_args(p)
+
+    p = sub.add_parser("chat", help="a multi-turn conversation in the terminal (/reset, /exit)")
+    p.add_argument("--system", default=None, help="a system message")
+    add_model_args(p)
+    add_sampling_args(p)
+
+    sub.add_parser("bench", help="benchmarks: see `python -m nanoserve.bench --help`", add_help=False)
+    return parser
+
+
+def sampling_params(args):
+    from nanoserve.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    try:
+        return params.validate()
+    except ValueError as e:
+        raise NanoserveError(str(e)) from None
+
+
+def load(args):
+    """(model, tokenizer, max_model_len) from the model options."""
+    import torch
+
+    from nanoserve.model import load_model
+    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights import resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise NanoserveError("--device cuda was asked for, but torch sees no CUDA device here")
+    model_dir = resolve_model_dir(args.model)
+    model = load_model(model_dir, dtype=getattr(torch, DTYPES[args.dtype]), device=device)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    max_len = args.max_model_len or model.cfg.max_position_embeddings
+    if not 1 < max_len <= model.cfg.max_position_embeddings:
+        raise NanoserveError(
+            f"--max-model-len must be between 2 and the model's "
+            f"{model.cfg.max_position_embeddings}, got {max_len}"
+        )
+    return model, tokenizer, max_len
+
+
+def stream(model, tokenizer, prompt_ids, params, max_len, out=sys.stdout) -> None:
+    from nanoserve.generate import Generation
+
+    gen = Generation(model, tokenizer, prompt_ids, params, max_len)
+    for piece in gen:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    print(
+        f"[{len(prompt_ids)} prompt tokens, {len(gen.token_ids)} generated, "
+        f"first token {gen.first_token_s:.2f} s, decode {gen.decode_tokens_per_s:.1f} tok/s, "
+        f"finish: {gen.finish_reason}]",
+        file=sys.stderr,
+    )
+    return gen
+
+
+def cmd_generate(args) -> None:
+    params = sampling_params(args)
+    model, tokenizer, max_len = load(args)
+    if args.raw:
+        ids = tokenizer.encode(args.prompt)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        ids = tokenizer.encode_chat(messages)
+    stream(model, tokenizer, ids, params, max_len)
+
+
+def cmd_chat(args) -> None:
+    params = sampling_params(args)
+    model, tokenizer, max_len = load(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    print("nanoserve chat: type a message; /reset starts over, /exit (or Ctrl-D) leaves.", file=sys.stderr)
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        line = line.rstrip("\n")
+        if line.strip() == "/reset":
+            history = []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            ids = tokenizer.encode_chat(system + history)
+            print("bot> ", end="", flush=True, file=sys.stderr)
+            gen = stream(model, tokenizer, ids, params, max_len)
+        except NanoserveError as e:
+            history.pop()
+            print(f"nanoserve: error: {e}", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": gen.text})
+
+
+def cmd_fetch_model(args) -> None:
+    from nanoserve.weights import fetch_default_model
+
+    path = fetch_default_model(args.home, progress=lambda msg: print(msg, file=sys.stderr))
+    print(path)
+
+
+def cmd_import_gguf(args) -> None:
+    from nanoserve.weights import import_gguf
+
+    out = args.out or args.path.with_suffix("")
+    print(import_gguf(args.path, out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from nanoserve.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    commands = {
+        "fetch-model": cmd_fetch_model,
+        "import-gguf": cmd_import_gguf,
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+    }
+    try:
+        commands[args.command](args)
+    except NanoserveError as e:
+        print(f"nanoserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""The Llama family's forward pass, written out (days 3-7).
+
+Holds `LlamaConfig` (read from a Hugging Face `config.json`), the pieces of a decoder block
+(RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU MLP) and `Llama`, which runs
+them over a flat batch of tokens.
+
+What it deliberately does not hold: any K/V storage. Attention hands its keys and values to a
+cache object and asks the same object for the attention output, so a contiguous cache (day 11)
+and the paged, batched cache (days 17-24) drop in without the model changing. The protocol is
+two methods:
+
+    cache.write(layer, k, v)        # k, v: (N, kv_heads, head_dim) for the N tokens of this step
+    cache.attention(layer, q)       # q: (N, heads, head_dim) -> (N, heads, head_dim)
+
+Tokens are flat: `input_ids` and `positions` are (N,) for every sequence of the step packed end
+to end, so prefill over ragged prompts needs no padding. Which token belongs to which sequence
+is the cache's business, not the model's.
+
+Numerics follow `transformers`' `LlamaForCausalLM` operation for operation (norms in fp32,
+rotary tables in fp32, logits in fp32), which is what lets the tests hold us to its logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.errors import NanoserveError
+
+
+class KVCache(Protocol):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        # transformers 5 writes rope settings under `rope_parameters`; older files use
+        # `rope_theta` and `rope_scaling`. Read both.
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        heads = d["num_attention_heads"]
+        try:
+            return cls(
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"],
+                num_layers=d["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=d.get("num_key_value_heads") or heads,
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                rope_scaling=scaling,
+            )
+        except KeyError as e:
+            raise NanoserveError(
+                f"config.json lacks the field {e.args[0]!r} that a Llama model needs"
+            ) from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> LlamaConfig:
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+
+# --- building blocks -------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for x (M, in), w (out, in).
+
+    On a multi-core CPU in fp32 the output features are split into one slab per thread and run
+    as a batched matmul: MKL's own GEMV/GEMM on these tall, thin shapes keeps one core streaming
+    the weights, while `bmm` hands each core its own slab. Measured on 2 cores over the
+    SmolLM2-135M shapes: 14 -> 23 GB/s at M=1, and 66 -> 46 ms a step at M=8 (Day 12). Every
+    output element is the same dot product either way, summed by a different kernel.
+    """
+    parts = torch.get_num_threads()
+    if x.device.type != "cpu" or w.dtype != torch.float32 or parts < 2 or w.shape[0] % parts:
+        return F.linear(x, w)
+    m, out = x.shape[0], w.shape[0]
+    slabs = w.view(parts, out // parts, w.shape[1]).transpose(1, 2)  # (P, in, out/P)
+    y = torch.bmm(x.unsqueeze(0).expand(parts, -1, -1), slabs)  # (P, M, out/P)
+    return y.transpose(0, 1).reshape(m, out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, the mean taken in fp32 whatever the model's dtype.
+
+    transformers normalizes in fp32, casts back, then scales by the weight in the model's dtype;
+    torch's fused `rms_norm` does the fp32 part in one kernel instead of six.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """The rotary frequencies, (head_dim/2,), with Llama-3 scaling applied when configured."""
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
+    )
+    s = cfg.rope_scaling
+    if not s or s.get("rope_type", s.get("type")) in (None, "default"):
+        return inv_freq
+    if s.get("rope_type", s.get("type")) != "llama3":
+        raise NanoserveError(
+            f"rope scaling {s.get('rope_type', s.get('type'))!r} is not supported (default, llama3)"
+        )
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, each (max_positions, head_dim), in fp32."""
+    inv_freq = rope_inv_freq(cfg)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd): halves, not interleaved pairs
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (N, heads, hd) by per-token angles; cos, sin are (N, 1, hd) in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """One decoder block. Q, K and V share one matrix, and so do the MLP's gate and up
+    projections: one matmul instead of three (or two), the same numbers per output element."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        hd, h = cfg.head_dim, cfg.hidden_size
+        self.q_size, self.kv_size = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        kw = dict(dtype=dtype, device=device)
+        self.input_norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, **kw), requires_grad=False)
+        self.o = nn.Parameter(torch.empty(h, self.q_size, **kw), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)  # (N, H)
+        qkv = linear(h, self.qkv).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk = apply_rope(
+            qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos, sin
+        )  # (N, nh + nkv, hd): one rotation
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # (N, nh, hd), (N, nkv, hd)
+        cache.write(self.layer, k, qkv[:, cfg.num_heads + cfg.num_kv_heads :])
+        attn = cache.attention(self.layer, q)  # (N, nh, hd)
+        x = x + linear(attn.reshape(n, self.q_size), self.o)
+        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        gate, up = linear(h, self.gate_up).chunk(2, dim=-1)  # (N, I) each
+        return x + linear(F.silu(gate) * up, self.down)
+
+
+class Llama(nn.Module):
+    def __init__(
+        self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu", max_positions=None
+    ):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        kw = dict(dtype=dtype, device=device)
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+        self.blocks = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw), requires_grad=False)
+        self.head = (
+            self.embed
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
+        )
+        cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings)
+        # The tables are kept in the model's dtype: transformers casts cos/sin to it before rotating.
+        self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (M, vocab) in fp32 for the tokens at `logits_at` (default: every token).
+
+        input_ids, positions: (N,) for all tokens of the step, packed end to end.
+        """
+        x = self.embed[input_ids]  # (N, H)
+        cos = self.cos[positions].unsqueeze(1)  # (N, 1, hd)
+        sin = self.sin[positions].unsqueeze(1)
+        for block in self.blocks:
+            x = block(x, cos, sin, cache)
+        if logits_at is not None:
+            x = x[logits_at]  # (M, H): only the rows whose next token we sample
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return linear(x, self.head).float()  # (M, V)
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in transformers' LlamaForCausalLM, fusing QKV and gate/up."""
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise NanoserveError(f"the weights lack the tensor {name!r} that this Llama config needs")
+            used.add(name)
+            return sd[name]
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise NanoserveError(
+                    f"tensor {name!r} has shape {tuple(src.shape)} but the config implies {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+
+        put(self.embed, take("embed_tokens.weight"), "embed_tokens.weight")
+        put(self.norm, take("norm.weight"), "norm.weight")
+        if not self.cfg.tie_word_embeddings:
+            put(self.head, take("lm_head.weight"), "lm_head.weight")
+        for i, b in enumerate(self.blocks):
+            p = f"layers.{i}."
+            put(b.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(
+                b.post_norm,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight",
+            )
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            put(b.qkv, qkv, p + "self_attn.qkv")
+            put(b.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(b.gate_up, gate_up, p + "mlp.gate_up")
+            put(b.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+        # A tied checkpoint may still carry lm_head (a copy of the embedding); nothing else may be left.
+        extra = sorted(set(sd) - used - {"lm_head.weight"} - {k for k in sd if "rotary_emb" in k})
+        if extra:
+            raise NanoserveError(f"the weights hold tensors this Llama config does not use: {extra[:5]}")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
+    """Build a `Llama` from an HF-layout directory (config.json + safetensors)."""
+    from nanoserve.weights import check_model_dir, load_state_dict
+
+    model_dir = check_model_dir(model_dir)
+    cfg = LlamaConfig.from_dir(model_dir)
+    model = Llama(cfg, dtype=dtype, device=device)
+    model.load_hf_state_dict(load_state_dict(model_dir, dtype=dtype, device=device))
+    return model.eval()

@@ -1,0 +1,90 @@
+"""Choosing the next token (day 9): `SamplingParams` and a batched sampler.
+
+`SamplingParams` is what a request asks for; `validate` turns a bad value into a sentence.
+`sample` picks one token per row of a (B, vocab) logits batch, each row under its own params:
+
+    temperature 0     -> greedy (argmax); top_k, top_p and the seed are irrelevant
+    temperature t > 0 -> logits / t, then top-k, then top-p (nucleus), then one draw
+
+A request with a seed draws from its own `torch.Generator`, so its tokens do not depend on what
+else shares the batch (or on the global RNG); a request without one draws from a generator
+seeded from the OS once. Stop strings and the end-of-sequence rule are applied by whoever reads
+the tokens (`stopping.py`); they only ride along in the params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingParams:
+        """Raise ValueError with a sentence for the first out-of-range field; return self."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("every stop string must be a non-empty string")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device="cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is not None:
+            g.manual_seed(self.seed)
+        else:
+            g.seed()
+        return g
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """One row's logits (V,) with everything outside the top-k and the top-p nucleus at -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already reaches top_p; the first always stays.
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token id per row of logits (B, V) -> (B,) int64 on logits' device."""
+    tokens = logits.argmax(-1)  # (B,): right for every greedy row
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p)
+        probs = row.softmax(-1)
+        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    return tokens

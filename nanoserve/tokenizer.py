@@ -1,0 +1,293 @@
+"""Text <-> token ids: the model directory's tokenizer, its chat template, streaming detokenization.
+
+Day 1. `Tokenizer` wraps the `tokenizers` library around a directory's `tokenizer.json` (we do
+not reimplement BPE; the notebook does that once, to show it) and renders chat messages with the
+directory's jinja template under the same conventions as transformers, so a prompt tokenizes
+here exactly as it does there. `IncrementalDetokenizer` turns a stream of generated ids into
+text pieces that never cut a UTF-8 character in half.
+
+`bpe_from_vocab` (Day 2) builds the `tokenizers` object from the vocabulary fields of a GGUF;
+reading the GGUF and writing the directory is `weights.py`'s business. When to stop generating
+(EOS, stop strings) belongs to the generation loop, which only asks this module for `eos_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from nanoserve.errors import NanoserveError
+
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise NanoserveError(f"{path} is not valid JSON ({e}); fix or re-download it.") from None
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _compile_template(source: str):
+    """Compile a chat template with the environment transformers gives templates."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which would change the prompt
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise NanoserveError(f"the chat template does not parse ({e}); fix chat_template.jinja.") from None
+
+
+def check_messages(messages) -> None:
+    """Raise a NanoserveError unless `messages` is a non-empty list of {role: str, content: str}."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise NanoserveError("messages must be a non-empty list of {'role': ..., 'content': ...} objects.")
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise NanoserveError(
+                f"message {i} is {m!r}; each message needs a string 'role' and a string 'content'."
+            )
+
+
+# --- a tokenizer from a GGUF's vocabulary (weights.py writes it out as tokenizer.json) ---
+
+# The split regex of Llama 3's tokenizer.json (llama.cpp calls its pre-tokenizer 'llama-bpe').
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3")
+
+
+def bpe_from_vocab(tokens, token_types, merges, pre: str = "default", bos_id: int | None = None):
+    """A byte-level BPE `tokenizers.Tokenizer` from llama.cpp's fields (tokenizer.ggml.*).
+
+    `tokens` are already spelled in GPT-2's byte alphabet ("Ġthe"); `merges` are "Ġ t" strings;
+    `token_types` follow llama.cpp (1 normal, 3 control, 4 user-defined); `pre` is llama.cpp's
+    name for the pre-tokenizer. With `bos_id`, encoding with special tokens puts BOS in front.
+    """
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    if pre not in PRE_TOKENIZERS:
+        raise NanoserveError(
+            f"the pre-tokenizer {pre!r} is not supported; nanoserve knows {', '.join(PRE_TOKENIZERS)}."
+        )
+    vocab = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)  # a repeated string keeps its first id, as llama.cpp's lookup does
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    llama3 = pre in ("llama-bpe", "llama3")
+    # Llama 3's own tokenizer.json takes a whole word from the vocabulary before merging.
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=llama3))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not llama3)
+    if pre == "smollm":
+        # SmolLM's own tokenizer (and llama.cpp's 'smollm') cuts numbers into single digits first.
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif llama3:
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+        backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) and user-defined ones are matched whole in the text.
+    kinds = dict(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in kinds.items() if k == 3]
+    )
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds.items() if k == 4])
+    post = [processors.ByteLevel(trim_offsets=False)]
+    if bos_id is not None:
+        bos = tokens[bos_id]
+        single, pair = f"{bos}:0 $A:0", f"{bos}:0 $A:0 {bos}:1 $B:1"
+        post.append(processors.TemplateProcessing(single=single, pair=pair, special_tokens=[(bos, bos_id)]))
+    backend.post_processor = processors.Sequence(post)
+    return backend
+
+
+# --- the tokenizer of a model directory ---
+
+
+class Tokenizer:
+    """A model directory's tokenizer: `encode`, `decode`, chat template, special ids."""
+
+    def __init__(
+        self, backend, *, tokenizer_config=None, model_config=None, generation_config=None, template=None
+    ):
+        self.backend = backend  # tokenizers.Tokenizer
+        self.config = tokenizer_config or {}
+        self.template_source = template
+        self._template = None
+        self.add_bos_token = bool(self.config.get("add_bos_token", False))
+        model_config, generation_config = model_config or {}, generation_config or {}
+
+        bos = _token_text(self.config.get("bos_token"))
+        self.bos_id = backend.token_to_id(bos) if bos else None
+        if self.bos_id is None:
+            self.bos_id = generation_config.get("bos_token_id", model_config.get("bos_token_id"))
+
+        # Stop on every end token any of the three files names (Llama 3 lists several).
+        eos = set()
+        for value in (generation_config.get("eos_token_id"), model_config.get("eos_token_id")):
+            eos.update(value if isinstance(value, list) else [value])
+        eos_text = _token_text(self.config.get("eos_token"))
+        eos.add(backend.token_to_id(eos_text) if eos_text else None)
+        self.eos_ids = frozenset(int(i) for i in eos if i is not None)
+
+        added = backend.get_added_tokens_decoder()  # {id: AddedToken}
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        # Every special token's text, for templates that write e.g. {{ bos_token }}.
+        self.template_vars = {
+            name: _token_text(self.config[name])
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if _token_text(self.config.get(name))
+        }
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        tokenizer_json = path / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise NanoserveError(f"{path} has no tokenizer.json; point at a model directory that has one.")
+        try:
+            backend = Backend.from_file(str(tokenizer_json))
+        except Exception as e:
+            raise NanoserveError(
+                f"{tokenizer_json} cannot be loaded ({e}); re-download or re-convert it."
+            ) from None
+        config = _read_json(path / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(
+            backend,
+            tokenizer_config=config,
+            model_config=_read_json(path / "config.json"),
+            generation_config=_read_json(path / "generation_config.json"),
+            template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token strings in it ('<|im_start|>') become their ids.
+
+        A BOS id is put in front only if `add_bos` says so, or, when it is None, if
+        tokenizer_config.json's add_bos_token does.
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it."""
+        import jinja2
+
+        if not self.template_source:
+            raise NanoserveError(
+                "this model directory has no chat template; send a plain prompt instead of chat messages."
+            )
+        check_messages(messages)
+        if self._template is None:
+            self._template = _compile_template(self.template_source)
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_vars,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise NanoserveError(f"the chat template refused these messages: {e}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes any BOS itself; adding another would double it (transformers agrees).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Generated ids in, final text out, one token at a time.
+
+    Decoding a lone token is wrong in two ways: a character split over byte tokens decodes to
+    U+FFFD, and decoders that strip a leading space (sentencepiece) drop it. So each step decodes
+    a short window twice, `ids[prefix:read]` (already emitted) and `ids[prefix:]`, and emits the
+    difference (vLLM's prefix/read offsets). While the window's text ends in U+FFFD the bytes so
+    far are an unfinished character and nothing is emitted. The window then restarts at a clean
+    character boundary, so the cost per token stays constant and
+
+        "".join(add(i) for i in ids) + flush() == tokenizer.decode(ids)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the window: a character boundary
+        self.read = 0  # end of what has been emitted
+        self._prefix_text = ""  # decode(ids[prefix:read])
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def _emit(self, window: str) -> str:
+        """Emit `window` (= decode(ids[prefix:])) past what is already out, and slide the window."""
+        delta = window[len(self._prefix_text) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self._prefix_text = self._decode(self.ids[self.prefix : self.read])
+        self.text += delta
+        return delta
+
+    def add(self, token_id: int) -> str:
+        """The text that `token_id` makes final; "" while a character is still incomplete."""
+        self.ids.append(int(token_id))
+        window = self._decode(self.ids[self.prefix :])
+        return "" if window.endswith(REPLACEMENT) else self._emit(window)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an unfinished character comes out as U+FFFD, as decode gives it)."""
+        return self._emit(self._decode(self.ids[self.prefix :])) if self.read < len(self.ids) else ""

@@ -1,0 +1,121 @@
+"""The `nanoserve` command as a user runs it: real processes, real model, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve.generate import greedy_tokens
+from nanoserve.model import load_model
+from nanoserve.tokenizer import Tokenizer
+
+
+def nanoserve(*args, stdin=None, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "nanoserve.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+def assert_one_line_error(r, *words):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_unknown_option_is_one_line():
+    assert_one_line_error(
+        nanoserve("generate", "hi", "--frobnicate"), "unrecognized arguments", "--frobnicate"
+    )
+
+
+def test_unknown_command_is_one_line():
+    assert_one_line_error(nanoserve("summon"), "invalid choice")
+
+
+def test_missing_model_dir_is_one_line(tmp_path):
+    assert_one_line_error(
+        nanoserve("generate", "hi", "--model", str(tmp_path / "nope")), str(tmp_path / "nope")
+    )
+
+
+def test_corrupt_model_dir_is_one_line(tmp_path, smollm_dir):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bad / name).write_bytes((smollm_dir / name).read_bytes())
+    (bad / "config.json").write_text(json.dumps(json.loads((smollm_dir / "config.json").read_text())))
+    (bad / "model.safetensors").write_bytes((smollm_dir / "model.safetensors").read_bytes()[:10_000])
+    assert_one_line_error(nanoserve("generate", "hi", "--model", str(bad)), "safetensors")
+    (bad / "config.json").write_text("{not json")
+    assert_one_line_error(nanoserve("generate", "hi", "--model", str(bad)), "config.json")
+
+
+def test_gguf_of_another_architecture_is_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(nanoserve("import-gguf", str(path)), "gpt2")
+
+
+def test_prompt_longer_than_context_is_one_line(smollm_dir):
+    r = nanoserve("generate", "word " * 100, "--raw", "--max-model-len", "32", "--model", str(smollm_dir))
+    assert_one_line_error(r, "prompt", "32")
+
+
+def test_bad_sampling_option_is_one_line(smollm_dir):
+    assert_one_line_error(nanoserve("generate", "hi", "--top-p", "0", "--model", str(smollm_dir)), "top_p")
+
+
+@pytest.mark.slow
+def test_generate_streams_the_greedy_continuation(smollm_dir):
+    prompt = "Name the largest planet in the solar system."
+    r = nanoserve("generate", prompt, "--max-tokens", "12", "--model", str(smollm_dir))
+    assert r.returncode == 0, r.stderr
+    tok = Tokenizer.from_dir(smollm_dir)
+    ids = tok.encode_chat([{"role": "user", "content": prompt}])
+    tokens = greedy_tokens(load_model(smollm_dir), ids, 12, eos_ids=tok.eos_ids)
+    expected = tok.decode([t for t in tokens if t not in tok.eos_ids])
+    assert r.stdout == expected + "\n"
+    assert "tok/s" in r.stderr and "12 generated" in r.stderr or "finish: stop" in r.stderr
+
+
+@pytest.mark.slow
+def test_chat_keeps_history_and_resets(smollm_dir):
+    """Each answer is the greedy continuation of the whole conversation so far; /reset forgets."""
+    turns = ["My name is Ada.", "What is my name?", "/reset", "What is my name?", "/exit"]
+    r = nanoserve("chat", "--max-tokens", "16", "--model", str(smollm_dir), stdin="\n".join(turns) + "\n")
+    assert r.returncode == 0, r.stderr
+    assert "(history cleared)" in r.stderr
+    tok = Tokenizer.from_dir(smollm_dir)
+    model = load_model(smollm_dir)
+
+    def answer(messages):
+        ids = tok.encode_chat(messages)
+        return tok.decode(
+            [t for t in greedy_tokens(model, ids, 16, eos_ids=tok.eos_ids) if t not in tok.eos_ids]
+        )
+
+    first = answer([{"role": "user", "content": turns[0]}])
+    history = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first}]
+    second = answer(history + [{"role": "user", "content": turns[1]}])
+    after_reset = answer([{"role": "user", "content": turns[3]}])
+    assert r.stdout == f"{first}\n{second}\n{after_reset}\n"
+    assert second != after_reset  # the history changed the answer, so the test can tell

@@ -1,0 +1,133 @@
+"""The course's artifacts agree with each other: calendar, journal headers, tables and CSVs,
+and every notebook's .py source with its executed .ipynb."""
+
+import csv
+import datetime as dt
+import json
+import re
+from pathlib import Path
+
+import jupytext
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+JOURNAL = REPO / "journal"
+NOTEBOOKS = REPO / "notebooks"
+SECTIONS = ["What I added", "Why it matters", "What I learned", "Diagram", "Tomorrow", "Post angle"]
+PHASES = [
+    (1, 12, 1, "A model that talks"),
+    (13, 21, 2, "Paged memory"),
+    (22, 33, 3, "Batching"),
+    (34, 47, 4, "Serving"),
+    (48, 56, 5, "Benchmark and optimize"),
+]
+
+
+def calendar(n_days=56):
+    """The rule in journal/README.md: weekdays from Mon 2026-06-15, less three holidays and a
+    one-week break; weeks counted Monday to Sunday from the first."""
+    start = dt.date(2026, 6, 15)
+    off = {dt.date(2026, 6, 19), dt.date(2026, 7, 3), dt.date(2026, 9, 7)}
+    off |= {dt.date(2026, 7, 27) + dt.timedelta(i) for i in range(5)}
+    days, day = {}, start
+    while len(days) < n_days:
+        if day.weekday() < 5 and day not in off:
+            n = len(days) + 1
+            phase = next(p for p in PHASES if p[0] <= n <= p[1])
+            days[n] = (day, (day - start).days // 7 + 1, phase[2], phase[3])
+        day += dt.timedelta(1)
+    return days
+
+
+def test_calendar_agrees_with_the_seed():
+    assert calendar()[55] == (dt.date(2026, 9, 9), 13, 5, "Benchmark and optimize")
+
+
+def test_journal_readme_table_is_the_rule():
+    rows = re.findall(
+        r"^\| (\d+) \| (\S+) \| \w+ \| (\d+) \| (\d) (.+?) \|$", (JOURNAL / "README.md").read_text(), re.M
+    )
+    got = {int(n): (dt.date.fromisoformat(d), int(w), int(p), name) for n, d, w, p, name in rows}
+    assert got == calendar()
+
+
+def entries():
+    return sorted(JOURNAL.glob("day-*.md"))
+
+
+def test_there_are_entries():
+    assert entries(), "no journal entries found"
+
+
+@pytest.mark.parametrize("path", entries(), ids=lambda p: p.name)
+def test_entry_header_and_sections(path):
+    text = path.read_text()
+    n = int(re.fullmatch(r"day-(\d\d)\.md", path.name).group(1))
+    date, week, phase, name = calendar()[n]
+    assert re.match(rf"# Day {n}: \S", text), f"{path.name} must start with '# Day {n}: <title>'"
+    assert f"Date: {date.isoformat()} · Week {week} · Phase {phase} {name}" in text
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings == SECTIONS, f"{path.name} sections {headings}"
+    learned = text.split("## What I learned")[1].split("## Diagram")[0]
+    assert re.search(r"^1\. ", learned, re.M), "What I learned is a numbered list"
+    for png in re.findall(r"`([\w-]+\.png)`", text.split("## Diagram")[1].split("## Tomorrow")[0]):
+        assert (REPO / "diagrams" / png).is_file(), f"{path.name} names diagrams/{png}, which does not exist"
+
+
+def markdown_tables(text):
+    """(csv path, columns, rows as dicts) for every table marked with a <!-- table: ... --> line."""
+    out = []
+    for m in re.finditer(r"<!-- table: (\S+) columns=(\S+) -->\n((?:\|.*\|\n?)+)", text):
+        lines = [ln.strip().strip("|").split("|") for ln in m.group(3).strip().splitlines()]
+        header = [c.strip() for c in lines[0]]
+        rows = [dict(zip(header, (c.strip() for c in ln))) for ln in lines[2:]]
+        out.append((m.group(1), m.group(2).split(","), rows))
+    return out
+
+
+def normalize(cell: str) -> str:
+    """1,953 and 1953 are the same number; 0.50 and 0.5 too."""
+    cell = cell.replace(",", "").strip("` ")
+    try:
+        return repr(float(cell))
+    except ValueError:
+        return cell
+
+
+@pytest.mark.parametrize("path", entries(), ids=lambda p: p.name)
+def test_journal_tables_equal_their_csvs(path):
+    for csv_path, columns, rows in markdown_tables(path.read_text()):
+        with open(REPO / csv_path) as f:
+            expected = list(csv.DictReader(f))
+        assert len(rows) == len(expected), f"{path.name}: {csv_path} has {len(expected)} rows"
+        for got, want in zip(rows, expected):
+            for col in columns:
+                assert normalize(got[col]) == normalize(want[col]), f"{path.name} {csv_path} {col}"
+
+
+def test_a_table_that_disagrees_with_its_csv_is_caught(tmp_path):
+    text = "<!-- table: x.csv columns=a -->\n| a | b |\n|---|---|\n| 1,953 | 2 |\n"
+    ((_, cols, rows),) = markdown_tables(text)
+    assert normalize(rows[0]["a"]) == normalize("1953")
+    assert normalize(rows[0]["a"]) != normalize("1954")
+
+
+def notebook_pairs():
+    return sorted(NOTEBOOKS.glob("day*.py"))
+
+
+@pytest.mark.parametrize("py", notebook_pairs(), ids=lambda p: p.name)
+def test_notebook_source_and_ipynb_agree(py):
+    nb_path = py.with_suffix(".ipynb")
+    assert nb_path.is_file(), f"{py.name} has no paired .ipynb"
+    src = jupytext.read(py)
+    nb = jupytext.read(nb_path)
+    a = [(c.cell_type, c.source.strip()) for c in src.cells]
+    b = [(c.cell_type, c.source.strip()) for c in nb.cells]
+    assert a == b, f"{py.name} and {nb_path.name} disagree; run `make notebooks`"
+
+
+@pytest.mark.parametrize("py", notebook_pairs(), ids=lambda p: p.name)
+def test_notebook_is_executed(py):
+    cells = [c for c in json.loads(py.with_suffix(".ipynb").read_text())["cells"] if c["cell_type"] == "code"]
+    assert cells and all(c.get("execution_count") for c in cells), f"{py.name}: run `make notebooks`"
