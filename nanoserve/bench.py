@@ -1,8 +1,12 @@
 """Benchmarks that compare nanoserve with a peer in the same run (`python -m nanoserve.bench`).
 
-    decode    batch-1 greedy decode, nanoserve against transformers' `generate` on the same
-              weights, dtype and thread count; prints both rates and their ratio, and the
-              bandwidth roofline (weight bytes per token against a measured read bandwidth).
+    decode      batch-1 greedy decode, nanoserve against transformers' `generate` on the same
+                weights, dtype and thread count; prints both rates and their ratio, and the
+                bandwidth roofline (weight bytes per token against a measured read bandwidth).
+    throughput  a fixed workload of many requests (random prompt and output lengths, ignore_eos):
+                nanoserve's continuous batching against transformers' `generate` in static,
+                left-padded batches that each run until their longest output. Useful tokens are
+                the requested outputs only.
 
 Machines are shared and noisy, so no absolute number here is a promise; the ratio, measured
 in one run, is the figure to quote. Each benchmark ends with one machine-readable line.
@@ -87,6 +91,126 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
     }
 
 
+def throughput_workload(n: int, prompt_lens, output_lens, vocab: int, seed: int = 0):
+    """n (prompt_ids, max_tokens) pairs, lengths uniform in the given inclusive ranges."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for _ in range(n):
+        p = int(torch.randint(prompt_lens[0], prompt_lens[1] + 1, (1,), generator=g))
+        o = int(torch.randint(output_lens[0], output_lens[1] + 1, (1,), generator=g))
+        # ids from the ordinary vocabulary: SmolLM2's first ids are special tokens
+        reqs.append((torch.randint(100, vocab, (p,), generator=g).tolist(), o))
+    return reqs
+
+
+def run_nanoserve_workload(model, tokenizer, reqs, config) -> tuple[float, int, int]:
+    """(seconds, useful tokens, preemptions) for the workload on a fresh engine."""
+    from nanoserve.engine import Engine
+    from nanoserve.sampling import SamplingParams
+
+    engine = Engine(model, tokenizer, config)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in reqs]
+    t0 = time.perf_counter()
+    outs = engine.generate([p for p, _ in reqs], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert [len(o.token_ids) for o in outs] == [o for _, o in reqs], "a request did not get its tokens"
+    return dt, sum(len(o.token_ids) for o in outs), engine.scheduler.num_preemptions
+
+
+def run_transformers_workload(hf, reqs, batch: int, pad_id: int) -> tuple[float, int]:
+    """(seconds, useful tokens): static batches, left-padded, each until its longest output."""
+    t0, useful = time.perf_counter(), 0
+    with torch.inference_mode():
+        for i in range(0, len(reqs), batch):
+            chunk = reqs[i : i + batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.full((len(chunk), width), pad_id)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, (p, _) in enumerate(chunk):
+                ids[r, width - len(p) :] = torch.tensor(p)
+                mask[r, width - len(p) :] = 1
+            longest = max(o for _, o in chunk)
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            useful += sum(o for _, o in chunk)
+    return time.perf_counter() - t0, useful
+
+
+def cmd_throughput(args) -> None:
+    import transformers
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.model import load_model
+    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights import resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model)
+    tok = Tokenizer.from_dir(model_dir)
+    dtypes = {"float32": ["float32"], "bfloat16": ["bfloat16"], "both": ["float32", "bfloat16"]}[args.dtype]
+    print(
+        f"model {model_dir.name}, {torch.get_num_threads()} threads, {args.requests} requests, "
+        f"prompts {args.prompt_len[0]}-{args.prompt_len[1]}, "
+        f"outputs {args.output_len[0]}-{args.output_len[1]} tokens, "
+        f"nanoserve max_batch {args.max_batch}, transformers static batches of {args.hf_batch}"
+    )
+    rows = []
+    for dtype in dtypes:
+        model = load_model(model_dir, dtype=getattr(torch, dtype))
+        reqs = throughput_workload(
+            args.requests, args.prompt_len, args.output_len, model.cfg.vocab_size, args.seed
+        )
+        config = EngineConfig(
+            dtype=dtype, max_batch=args.max_batch, max_num_batched_tokens=args.batched_tokens
+        )
+        ours_s, useful, preemptions = run_nanoserve_workload(model, tok, reqs, config)
+        model = None
+        hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        hf_s, hf_useful = run_transformers_workload(hf, reqs, args.hf_batch, min(tok.eos_ids))
+        hf = None
+        row = {
+            "dtype": dtype,
+            "requests": len(reqs),
+            "useful_tokens": useful,
+            "nanoserve_s": round(ours_s, 1),
+            "nanoserve_tok_s": round(useful / ours_s, 1),
+            "transformers_s": round(hf_s, 1),
+            "transformers_tok_s": round(hf_useful / hf_s, 1),
+            "ratio": round((useful / ours_s) / (hf_useful / hf_s), 2),
+            "preemptions": preemptions,
+        }
+        rows.append(row)
+        print(
+            f"{dtype:>9}: nanoserve {row['nanoserve_tok_s']:6.1f} tok/s ({row['nanoserve_s']} s)   "
+            f"transformers {row['transformers_tok_s']:6.1f} tok/s ({row['transformers_s']} s)   "
+            f"ratio {row['ratio']:.2f}x   "
+            f"{useful} useful tokens, {preemptions} preemptions"
+        )
+    if args.csv:
+        write_rows(rows, args.csv)
+    print(
+        "RESULT throughput "
+        + " ".join(
+            f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x" for r in rows
+        )
+    )
+
+
+def write_rows(rows: list[dict], path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def cmd_decode(args) -> None:
     from nanoserve.weights import resolve_model_dir
 
@@ -112,10 +236,7 @@ def cmd_decode(args) -> None:
             f"greedy tokens differ at: {row['first_token_difference']}"
         )
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_rows(rows, args.csv)
     print(
         "RESULT decode "
         + " ".join(
@@ -133,11 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None, help="also write the rows to this CSV")
+    p = sub.add_parser("throughput", help="continuous batching against transformers' static batches")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--max-batch", type=int, default=64, help="nanoserve's rows")
+    p.add_argument("--batched-tokens", type=int, default=512, help="nanoserve's prefill tokens per step")
+    p.add_argument("--hf-batch", type=int, default=16, help="transformers' static batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     from nanoserve.errors import NanoserveError
 
     try:
-        {"decode": cmd_decode}[args.bench](args)
+        {"decode": cmd_decode, "throughput": cmd_throughput}[args.bench](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 1

@@ -90,50 +90,64 @@ def sampling_params(args):
 
 
 def load(args):
-    """(model, tokenizer, max_model_len) from the model options."""
+    """An `Engine` over the model the options name (one sequence at a time is all a terminal needs,
+    but the same engine serves a batch: see `nanoserve.engine`)."""
     import torch
 
-    from nanoserve.model import load_model
-    from nanoserve.tokenizer import Tokenizer
-    from nanoserve.weights import resolve_model_dir
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import build_engine
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise NanoserveError("--device cuda was asked for, but torch sees no CUDA device here")
-    model_dir = resolve_model_dir(args.model)
-    model = load_model(model_dir, dtype=getattr(torch, DTYPES[args.dtype]), device=device)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    max_len = args.max_model_len or model.cfg.max_position_embeddings
-    if not 1 < max_len <= model.cfg.max_position_embeddings:
-        raise NanoserveError(
-            f"--max-model-len must be between 2 and the model's "
-            f"{model.cfg.max_position_embeddings}, got {max_len}"
-        )
-    return model, tokenizer, max_len
+    config = EngineConfig(
+        model=args.model,
+        dtype=DTYPES[args.dtype],
+        device=args.device,
+        max_batch=1,
+        max_model_len=args.max_model_len,
+        threads=args.threads,
+    )
+    try:
+        return build_engine(config, quiet=True)
+    except ValueError as e:
+        raise NanoserveError(str(e)) from None
 
 
-def stream(model, tokenizer, prompt_ids, params, max_len, out=sys.stdout) -> None:
-    from nanoserve.generate import Generation
+def stream(engine, prompt_ids, params, out=sys.stdout) -> str:
+    """Run one request on the engine, writing its text as it comes; return the whole text."""
+    import time
 
-    gen = Generation(model, tokenizer, prompt_ids, params, max_len)
-    for piece in gen:
-        out.write(piece)
-        out.flush()
+    try:
+        rid = engine.add_request(prompt_ids, params)
+    except ValueError as e:
+        raise NanoserveError(str(e)) from None
+    text, n, first, reason = "", 0, None, None
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            n += len(o.new_token_ids)
+            first = first if first is not None else time.perf_counter() - t0
+            out.write(o.text_delta)
+            out.flush()
+            text += o.text_delta
+            reason = o.finish_reason or reason
+    total = time.perf_counter() - t0
     out.write("\n")
+    rate = (n - 1) / (total - first) if n > 1 and total > first else 0.0
     print(
-        f"[{len(prompt_ids)} prompt tokens, {len(gen.token_ids)} generated, "
-        f"first token {gen.first_token_s:.2f} s, decode {gen.decode_tokens_per_s:.1f} tok/s, "
-        f"finish: {gen.finish_reason}]",
+        f"[{len(prompt_ids)} prompt tokens, {n} generated, first token {first or 0:.2f} s, "
+        f"decode {rate:.1f} tok/s, finish: {reason}]",
         file=sys.stderr,
     )
-    return gen
+    return text
 
 
 def cmd_generate(args) -> None:
     params = sampling_params(args)
-    model, tokenizer, max_len = load(args)
+    engine = load(args)
+    tokenizer = engine.tokenizer
     if args.raw:
         ids = tokenizer.encode(args.prompt)
     else:
@@ -141,12 +155,13 @@ def cmd_generate(args) -> None:
             {"role": "user", "content": args.prompt}
         ]
         ids = tokenizer.encode_chat(messages)
-    stream(model, tokenizer, ids, params, max_len)
+    stream(engine, ids, params)
 
 
 def cmd_chat(args) -> None:
     params = sampling_params(args)
-    model, tokenizer, max_len = load(args)
+    engine = load(args)
+    tokenizer = engine.tokenizer
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -168,12 +183,12 @@ def cmd_chat(args) -> None:
         try:
             ids = tokenizer.encode_chat(system + history)
             print("bot> ", end="", flush=True, file=sys.stderr)
-            gen = stream(model, tokenizer, ids, params, max_len)
+            answer = stream(engine, ids, params)
         except NanoserveError as e:
             history.pop()
             print(f"nanoserve: error: {e}", file=sys.stderr)
             continue
-        history.append({"role": "assistant", "content": gen.text})
+        history.append({"role": "assistant", "content": answer})
 
 
 def cmd_fetch_model(args) -> None:

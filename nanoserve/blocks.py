@@ -1,0 +1,251 @@
+"""Which KV blocks each sequence owns (days 14-15, prefix caching days 19-20).
+
+The KV pool is cut into blocks of `block_size` slots. A `BlockTable` is one sequence's list of
+block ids and turns a token position into a slot number; a `BlockAllocator` hands blocks out
+from a free list and counts references, so that sequences with a common prompt prefix can
+share the blocks that hold it:
+
+    block_size 4, table.blocks [7, 2]:  position 0 -> slot 28, position 5 -> slot 9
+
+Prefix caching: a full block is named by a chained hash of its tokens and of every token
+before it (`block_hashes`). When a prompt arrives, its leading full blocks whose hashes are
+known are reused instead of recomputed. A freed block keeps its hash on the free list and can
+still be claimed by a later prompt, until it is handed out fresh (least recently freed first).
+
+This module is bookkeeping on integers only. The K/V tensors live in `cache.py`, how many
+blocks fit in memory is `pool.py`'s business, and who gets blocks when is the scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+class NoFreeBlocks(Exception):
+    """An allocation asked for more blocks than are free; nothing was allocated."""
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks, in position order.
+
+    >>> t = BlockTable(block_size=4, blocks=[7, 2])
+    >>> t.slot(0), t.slot(3), t.slot(5)
+    (28, 31, 9)
+    >>> t.slots(2, 6)
+    [30, 31, 8, 9]
+    """
+
+    block_size: int
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose K/V has a slot
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # chained hashes of the leading full blocks, kept so each step hashes only the new block
+    hashes: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    def slot(self, pos: int) -> int:
+        if not 0 <= pos < self.capacity:
+            raise ValueError(f"position {pos} is outside this table's {self.capacity} slots")
+        return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Slots of positions [start, end)."""
+        if start < 0 or end > self.capacity:
+            raise ValueError(f"positions [{start}, {end}) are outside this table's {self.capacity} slots")
+        bs, blocks = self.block_size, self.blocks
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+def _chain(parent: int | None, block_tokens: Sequence[int]) -> int:
+    return hash((parent, tuple(block_tokens)))
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of token_ids; a partial last block has none.
+
+    Block i's hash covers blocks 0..i, so equal hashes mean equal prefixes, not just equal blocks:
+
+        block_size 2, [5, 6, 5, 6, 9] -> [h0, h1] with h0 = hash((None, (5, 6))),
+                                               h1 = hash((h0, (5, 6))) != h0
+    """
+    hashes: list[int] = []
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        parent = _chain(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class BlockAllocator:
+    """A free list and reference counts over `num_blocks` blocks.
+
+    Every block is either free (ref count 0, on the free list, maybe still holding a cached
+    prefix) or used (ref count = the number of tables that hold it).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"an allocator needs 1+ blocks of 1+ tokens, not {num_blocks} x {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        # insertion order is free order: the front was freed longest ago and is handed out first
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._num_used = 0
+        self._hash_of: dict[int, int] = {}  # block -> hash of the prefix it holds
+        self._block_of: dict[int, int] = {}  # hash -> block, the inverse
+        self._tokens_of: dict[int, tuple[int, ...]] = {}  # block -> its tokens, to rule out hash collisions
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self._num_used
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return n_blocks <= len(self._free)
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block registered under block_hash, free or used, or None."""
+        return self._block_of.get(block_hash)
+
+    # --- single blocks ----------------------------------------------------------------------
+
+    def _take_fresh(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash_of.pop(block, None)
+        if h is not None:  # its old contents are about to be overwritten
+            del self._block_of[h]
+            del self._tokens_of[block]
+        self._ref[block] = 1
+        self._num_used += 1
+        return block
+
+    def _share(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._free[block]
+            self._num_used += 1
+        self._ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._free[block] = None  # to the end: reallocated last, so its prefix stays reusable longest
+            self._num_used -= 1
+
+    # --- sequences --------------------------------------------------------------------------
+
+    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of full blocks, never the whole prompt."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        # the last prompt token is always recomputed: its logits pick the first new token
+        usable = (len(token_ids) - 1) // bs * bs
+        hits = []
+        for i, h in enumerate(block_hashes(token_ids[:usable], bs)):
+            block = self._block_of.get(h)
+            if block is None or self._tokens_of[block] != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_prompt(self, table: BlockTable, token_ids: Sequence[int]) -> int:
+        """Give an empty table blocks for all of token_ids; return how many tokens are cached.
+
+        Block size 16, a 50-token prompt whose first 3 blocks are cached: the table gets those
+        3 blocks (ref + 1 each) and 1 fresh one, and 48 is returned. Raises NoFreeBlocks, with
+        nothing changed, when the fresh blocks are not there.
+        """
+        if table.blocks:
+            raise ValueError("allocate_prompt needs an empty block table; free the sequence's blocks first")
+        hits = self._cached_prefix(token_ids)
+        fresh = -(-len(token_ids) // self.block_size) - len(hits)
+        # a cached block that is free leaves the free list too, so it cannot also be a fresh block
+        if fresh > len(self._free) - sum(self._ref[b] == 0 for b in hits):
+            raise NoFreeBlocks(f"{fresh} fresh blocks needed, {len(self._free)} free")
+        for b in hits:
+            self._share(b)
+        table.blocks = hits + [self._take_fresh() for _ in range(fresh)]
+        table.num_tokens = len(token_ids)
+        table.num_cached_tokens = len(hits) * self.block_size
+        table.hashes = [self._hash_of[b] for b in hits]
+        return table.num_cached_tokens
+
+    def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
+        """New blocks table needs to cover num_tokens tokens: block size 16, 2 blocks, 40 -> 1."""
+        return max(0, -(-num_tokens // self.block_size) - len(table.blocks))
+
+    def append_slots(self, table: BlockTable, num_tokens: int) -> None:
+        """Grow table to cover num_tokens tokens, all new blocks or none (NoFreeBlocks)."""
+        need = self.blocks_needed(table, num_tokens)
+        if need > len(self._free):
+            raise NoFreeBlocks(f"{need} blocks needed, {len(self._free)} free")
+        table.blocks.extend(self._take_fresh() for _ in range(need))
+        table.num_tokens = max(table.num_tokens, num_tokens)
+
+    def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int]) -> None:
+        """Register the hashes of table's blocks that token_ids fill, so later prompts can share them.
+
+        token_ids must be tokens whose K/V is already written (a sequence's first num_computed
+        tokens): a registered block may be read by another sequence's very next step.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(table.hashes), min(len(token_ids) // bs, len(table.blocks))):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = _chain(table.hashes[-1] if table.hashes else None, tokens)
+            table.hashes.append(h)
+            block = table.blocks[i]
+            if h in self._block_of or block in self._hash_of:
+                continue  # another block already holds this prefix; one copy is enough
+            self._hash_of[block], self._block_of[h], self._tokens_of[block] = h, block, tokens
+
+    def free(self, table: BlockTable) -> None:
+        """Drop table's references and empty it. Tail first, so a shared prefix is reallocated last."""
+        for b in reversed(table.blocks):
+            self._release(b)
+        table.blocks, table.hashes = [], []
+        table.num_tokens = table.num_cached_tokens = 0
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def check_invariants(self, tables: Iterable[BlockTable]) -> None:
+        """Raise AssertionError with a sentence if the books disagree with the live tables."""
+        owners = [0] * self.num_blocks
+        for t in tables:
+            if len(set(t.blocks)) != len(t.blocks):
+                raise AssertionError(f"a block appears twice in one table: {t.blocks}")
+            if t.num_tokens > t.capacity:
+                raise AssertionError(f"a table covers {t.num_tokens} tokens with only {t.capacity} slots")
+            for b in t.blocks:
+                if not 0 <= b < self.num_blocks:
+                    raise AssertionError(f"block {b} is outside the allocator's {self.num_blocks} blocks")
+                owners[b] += 1
+        for b, (ref, n) in enumerate(zip(self._ref, owners)):
+            if ref != n:
+                raise AssertionError(f"block {b} has ref count {ref} but {n} tables hold it")
+            if (b in self._free) != (ref == 0):
+                where = "on" if b in self._free else "off"
+                raise AssertionError(f"block {b} is {where} the free list with ref count {ref}")
+        if len(self._free) + self._num_used != self.num_blocks:
+            raise AssertionError(
+                f"{len(self._free)} free + {self._num_used} used blocks != {self.num_blocks} in total"
+            )
+        maps_agree = len(self._block_of) == len(self._hash_of) and all(
+            self._block_of.get(h) == b for b, h in self._hash_of.items()
+        )
+        if not maps_agree:
+            raise AssertionError("the prefix cache's hash -> block and block -> hash maps disagree")

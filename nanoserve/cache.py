@@ -1,0 +1,109 @@
+"""The paged K/V cache shared by every sequence of a batch (days 17-18 and 24).
+
+`BatchedPagedKVCache` holds, per layer, one K pool and one V pool of shape
+(num_slots + 1, kv_heads, head_dim). A slot is one token's K/V; slot `s` lives in block
+`s // block_size`, and which blocks a sequence owns is the allocator's business (`blocks.py`).
+The extra entry at index `sink_slot` (= num_slots) is the sink: a legal address that no block
+maps, where padded rows of a bucketed batch (day 52) write their throwaway K/V.
+
+A step's addressing comes from a `StepPlan` (`plan.py`); `view(plan)` binds the two into a
+`BatchedCacheRows`, which is the object the model talks to (`write`, `attention`):
+
+* `write` is one `index_put_` of the step's N new K/V rows at `plan.write_slots`.
+* `attention` gathers each row's keys through its slot window `plan.slot_window[r, :W]` and
+  masks every position at or past `plan.context_lens[r]`. A decode step is one batched gather
+  and one SDPA over (rows, W); a prefill step runs each row's queries (a ragged chunk of its
+  prompt, packed with the others) against its own window, causally. A row with context_lens 0
+  is fully masked and yields zeros, never NaN.
+
+Pools are allocated on the first write of each layer (`_ensure_pool`), so building a cache is
+free and the memory is taken when the first batch arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model import LlamaConfig
+
+
+class BatchedPagedKVCache:
+    def __init__(self, cfg: LlamaConfig, num_slots: int, dtype=torch.float32, device="cpu"):
+        self.cfg, self.num_slots, self.dtype, self.device = cfg, num_slots, dtype, torch.device(device)
+        self.sink_slot = num_slots
+        self.k: list[torch.Tensor | None] = [None] * cfg.num_layers
+        self.v: list[torch.Tensor | None] = [None] * cfg.num_layers
+
+    def _ensure_pool(self, layer: int) -> None:
+        if self.k[layer] is None:
+            shape = (self.num_slots + 1, self.cfg.num_kv_heads, self.cfg.head_dim)
+            self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan) -> None:
+        """Store the step's new K/V, (N, kv_heads, head_dim) each, at plan.write_slots (N,)."""
+        self._ensure_pool(layer)
+        self.k[layer].index_put_((plan.write_slots,), k)
+        self.v[layer].index_put_((plan.write_slots,), v)
+
+    def paged_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
+        """q (N, heads, head_dim) -> (N, heads, head_dim), each row reading only its own slots."""
+        if plan.is_decode:
+            return self._decode_attention(layer, q, plan)
+        return self._prefill_attention(layer, q, plan)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
+        rows, width = plan.slot_window.shape  # one query per row
+        window = plan.slot_window  # (B, W) slot numbers
+        k = self.k[layer][window]  # (B, W, kv, hd)
+        v = self.v[layer][window]
+        visible = torch.arange(width, device=q.device)[None, :] < plan.context_lens[:, None]  # (B, W)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (B, nh, 1, hd)
+            k.transpose(1, 2),  # (B, kv, W, hd)
+            v.transpose(1, 2),
+            attn_mask=visible[:, None, None, :],  # (B, 1, 1, W)
+            enable_gqa=q.shape[1] != k.shape[2],
+        )[:, :, 0]  # (B, nh, hd)
+        # A fully masked row (context_lens 0: a padded row) comes out of softmax as NaN.
+        return torch.where((plan.context_lens > 0)[:, None, None], out, 0.0)
+
+    def _prefill_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        for r, (start, end, ctx) in enumerate(plan.row_spans):
+            if end == start or ctx == 0:
+                continue
+            slots = plan.slot_window[r, :ctx]  # (ctx,) this row's keys, oldest first
+            k = self.k[layer][slots].transpose(0, 1)[None]  # (1, kv, ctx, hd)
+            v = self.v[layer][slots].transpose(0, 1)[None]
+            qr = q[start:end].transpose(0, 1)[None]  # (1, nh, n, hd)
+            # query i sits at position ctx - n + i and sees keys up to and including itself
+            n = end - start
+            mask = (
+                torch.arange(ctx, device=q.device)[None, :]
+                <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            )
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=qr.shape[1] != k.shape[1])
+            out[start:end] = o[0].transpose(0, 1)
+        return out
+
+    def view(self, plan) -> BatchedCacheRows:
+        return BatchedCacheRows(self, plan)
+
+
+class BatchedCacheRows:
+    """A cache bound to one step's plan: what `Llama.forward` writes to and reads from."""
+
+    def __init__(self, cache: BatchedPagedKVCache, plan):
+        self.cache, self.plan = cache, plan
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(layer, k, v, self.plan)
+
+    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        return self.cache.paged_attention(layer, q, self.plan)

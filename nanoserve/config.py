@@ -1,0 +1,33 @@
+"""`EngineConfig`: every knob of an engine in one place (day 34, grown since).
+
+Configuration flows from here through `build_engine`; no module reads globals or the
+environment for its settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF Llama-family directory; None: the default model (fetched once)
+    dtype: str = "float32"  # float32 | bfloat16
+    device: str | None = None  # None: cuda when available, else cpu
+    max_batch: int = 32  # rows: sequences running at once
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16  # tokens per KV block
+    kv_budget: int | None = None  # bytes for the KV pool; None: pool.py's default for the device
+    max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
+    enable_prefix_caching: bool = True
+    threads: int | None = None  # CPU threads for torch; None: leave torch's default
+
+    def validate(self) -> EngineConfig:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("max_batch", "block_size", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        return self

@@ -1,0 +1,257 @@
+"""The engine (day 34): requests in, tokens and text out, one step at a time.
+
+    engine = build_engine(EngineConfig())
+    rid = engine.add_request("Hello!", SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():          # RequestOutput: new tokens and text per request
+            print(out.request_id, out.text_delta, out.finish_reason)
+
+`add_request` validates (a bad request is a `ValueError` with a sentence, and nothing in flight
+is touched), `step` runs one scheduler batch through the model and the sampler, applies the
+end-of-sequence rule, `max_tokens`, the context limit and stop strings, and releases finished
+sequences' blocks at once; `abort` ends a request wherever it is. `generate` is the offline
+loop over a list of prompts, with a progress bar.
+
+The engine owns nothing clever itself: the scheduler decides, the plan addresses, the runner
+computes, the sampler picks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.blocks import BlockAllocator
+from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.config import EngineConfig
+from nanoserve.pool import plan_pool
+from nanoserve.runner import ModelRunner
+from nanoserve.sampling import SamplingParams, sample
+from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.stopping import StopStrings
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finish_reason: str | None = None  # stop | length | abort; None while running
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: object | None
+    stops: StopStrings
+    text: str = ""
+    pending: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config.validate()
+        self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
+        dtype = model.dtype
+        self.pool = plan_pool(
+            model.cfg,
+            dtype,
+            block_size=config.block_size,
+            budget_bytes=config.kv_budget,
+            device=model.device.type,
+        )
+        if self.pool.num_slots < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {self.pool.num_slots} tokens, fewer than max_model_len "
+                f"{self.max_model_len}; raise the KV budget or lower max_model_len"
+            )
+        self.allocator = BlockAllocator(
+            self.pool.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.cache = BatchedPagedKVCache(model.cfg, self.pool.num_slots, dtype=dtype, device=model.device)
+        self.scheduler = Scheduler(self.allocator, config.max_batch, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, config.block_size)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
+
+    # --- requests --------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """str -> tokens as is; list of {role, content} -> the chat template; list of ints -> as is."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass the prompt as a list of token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer to render chat messages with")
+            return self.tokenizer.encode_chat(prompt)
+        if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            vocab = self.model.cfg.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary of {vocab} tokens")
+            return list(prompt)
+        raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = (params or SamplingParams()).validate()
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens, which leaves no room to generate in the context of "
+                f"{self.max_model_len} tokens; shorten it"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        seq = Sequence(request_id, ids, params, self.config.block_size)
+        seq.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        if not params.greedy:
+            seq.generator = params.make_generator(self.model.device)
+        detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; its blocks are free when this returns. False if it is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        plan = self.runner.plan(batch)
+        logits = self.runner.execute(plan)  # (B, V)
+        outputs = []
+        rows = [(i, s) for i, s in enumerate(plan.rows)]
+        if not batch.is_decode:
+            for seq, _, end in batch.chunks:
+                seq.num_computed = end
+            rows = [(i, s) for i, s in rows if s.num_computed == len(s.token_ids)]  # last chunks only
+        else:
+            for seq in batch.decode:
+                seq.num_computed = len(seq.token_ids)
+        for seq in plan.rows:
+            # only blocks whose K/V is written now may be shared: another sequence can read them next step
+            self.allocator.cache_full_blocks(seq.block_table, seq.token_ids[: seq.num_computed])
+        if not rows:
+            return []
+        idx = torch.tensor([i for i, _ in rows], device=logits.device)
+        seqs = [s for _, s in rows]
+        tokens = sample(logits[idx], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for seq, token in zip(seqs, tokens):
+            outputs.append(self._append(seq, token))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        seq.token_ids.append(token)
+        out = RequestOutput(seq.request_id, [token])
+        finish = None
+        if token in self.eos_ids and not seq.params.ignore_eos:
+            finish = "stop"
+        elif req.detok is not None:
+            piece, stopped = req.stops.feed(req.detok.add(token))
+            out.text_delta = piece
+            if stopped:
+                finish = "stop"
+        if finish is None and (
+            len(seq.output_ids) >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len
+        ):
+            finish = "length"
+        if finish is not None:
+            if req.detok is not None and not req.stops.stopped:
+                tail, _ = req.stops.feed(req.detok.flush())
+                out.text_delta += tail + req.stops.flush()
+            self.scheduler.finish(seq, finish)
+            out.finish_reason = finish
+            del self.requests[seq.request_id]
+        req.text += out.text_delta
+        return out
+
+    # --- offline ---------------------------------------------------------------------------
+
+    def generate(self, prompts, params=None, use_tqdm: bool = True) -> list[Completion]:
+        """Run every prompt to completion; results in the prompts' order."""
+        from tqdm import tqdm
+
+        if not isinstance(params, list):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        reqs = {rid: self.requests[rid] for rid in ids}
+        done: dict[str, Completion] = {}
+        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        t0, n_tokens = time.perf_counter(), 0
+        while len(done) < len(ids) and self.has_unfinished():
+            for out in self.step():
+                n_tokens += len(out.new_token_ids)
+                if out.finished and out.request_id in reqs:
+                    r = reqs[out.request_id]
+                    done[out.request_id] = Completion(
+                        out.request_id,
+                        r.seq.prompt_ids,
+                        r.seq.output_ids,
+                        r.text,
+                        out.finish_reason,
+                        r.seq.num_preemptions,
+                    )
+                    bar.update(1)
+            bar.set_postfix_str(f"{n_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
+        bar.close()
+        return [done[rid] for rid in ids]
+
+
+def build_engine(config: EngineConfig, quiet: bool = False) -> Engine:
+    """Load the model and tokenizer the config names and build an engine around them."""
+    from nanoserve.model import load_model
+    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights import resolve_model_dir
+
+    config.validate()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = resolve_model_dir(config.model)
+    model = load_model(model_dir, dtype=getattr(torch, config.dtype), device=device)
+    if config.max_model_len and config.max_model_len > model.cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is longer than the model's context of "
+            f"{model.cfg.max_position_embeddings} tokens"
+        )
+    engine = Engine(model, Tokenizer.from_dir(model_dir), config)
+    if not quiet:
+        print(engine.pool.describe())
+    return engine

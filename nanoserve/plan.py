@@ -1,0 +1,93 @@
+"""What one engine step computes, and where its K/V goes (day 25).
+
+A `StepPlan` is the whole addressing of a step as tensors, built from the scheduler's choice of
+sequences and their block tables:
+
+    input_ids     (N,)   the step's new tokens, every row's packed end to end
+    positions     (N,)   each token's position in its sequence
+    write_slots   (N,)   the slot each new token's K/V is written to
+    context_lens  (B,)   tokens each row attends over once this step's are written
+    slot_window   (B, W) row r's slots for positions 0..W-1 (W >= every context_len)
+    logits_at     (B,)   index into N of each row's last token: the ones we sample from
+    rows                 the sequences, in row order
+
+`plan_prefill` packs chunks of prompts (a chunk is positions [start, end) of one sequence; a
+prefix already cached or computed is skipped by starting past it). `plan_decode` gives every
+row one token, its newest. Both build the window from block ids rather than from slot lists:
+(B, blocks) ids -> (B, blocks * block_size) slots in one broadcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepPlan:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    context_lens: torch.Tensor
+    slot_window: torch.Tensor
+    logits_at: torch.Tensor
+    rows: tuple = ()
+    is_decode: bool = False
+    row_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, ctx) in N
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def slot_window(block_lists: list[list[int]], block_size: int, device) -> torch.Tensor:
+    """Rows' slot numbers, (B, max_blocks * block_size); rows with fewer blocks padded with
+    block 0's slots, which the context_lens mask hides."""
+    width = max((len(b) for b in block_lists), default=0)
+    ids = torch.tensor([b + [0] * (width - len(b)) for b in block_lists], dtype=torch.long)  # (B, blocks)
+    window = ids[:, :, None] * block_size + torch.arange(block_size)  # (B, blocks, block_size)
+    return window.reshape(len(block_lists), width * block_size).to(device)
+
+
+def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
+    """chunks: (seq, start, end) with seq.token_ids and seq.block_table.blocks covering end."""
+    ids, pos, slots, spans, ctx, last = [], [], [], [], [], []
+    for seq, start, end in chunks:
+        table = seq.block_table
+        n0 = len(ids)
+        ids += seq.token_ids[start:end]
+        pos += range(start, end)
+        slots += table.slots(start, end)
+        spans.append((n0, len(ids), end))
+        ctx.append(end)
+        last.append(len(ids) - 1)
+    return StepPlan(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        write_slots=torch.tensor(slots, dtype=torch.long, device=device),
+        context_lens=torch.tensor(ctx, dtype=torch.long, device=device),
+        slot_window=slot_window([s.block_table.blocks for s, _, _ in chunks], block_size, device),
+        logits_at=torch.tensor(last, dtype=torch.long, device=device),
+        rows=tuple(s for s, _, _ in chunks),
+        row_spans=spans,
+    )
+
+
+def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
+    """One token per row: each sequence's newest token at position len - 1."""
+    ids = [s.token_ids[-1] for s in seqs]
+    pos = [len(s.token_ids) - 1 for s in seqs]
+    slots = [s.block_table.slot(p) for s, p in zip(seqs, pos)]
+    n = len(seqs)
+    return StepPlan(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        write_slots=torch.tensor(slots, dtype=torch.long, device=device),
+        context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long, device=device),
+        slot_window=slot_window([s.block_table.blocks for s in seqs], block_size, device),
+        logits_at=torch.arange(n, dtype=torch.long, device=device),
+        rows=tuple(seqs),
+        is_decode=True,
+        row_spans=[(i, i + 1, p + 1) for i, p in enumerate(pos)],
+    )

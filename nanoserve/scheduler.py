@@ -1,0 +1,157 @@
+"""Continuous batching (days 26-31): which sequences run in the next step, and with what.
+
+A `Sequence` is one request's tokens and state. The `Scheduler` keeps a waiting queue and a
+running set, and every step returns either a prefill batch or a decode batch:
+
+* prefill first: unfinished prompt chunks of running sequences, then new sequences admitted from
+  the front of the queue while a row is free (`max_batch`), the step's token budget
+  (`max_num_batched_tokens`) lasts and the allocator can give the prompt its blocks. A prompt
+  longer than the budget is split into chunks over several steps (chunked prefill); a prefix
+  the allocator already holds is skipped (prefix caching).
+* otherwise decode: every running sequence gets one token. When a sequence needs a new block
+  and none is free, the newest running sequence is preempted: it returns its blocks and goes
+  back to the front of the queue, to be recomputed from its prompt and the tokens it already
+  generated (preemption by recompute).
+
+Finished sequences leave at once (`finish`), returning their blocks. What the step computes is
+`plan.py`'s; what a token means (stop strings, text) is the engine's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks
+from nanoserve.sampling import SamplingParams
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    max_tokens: int = 0  # params.max_tokens, cut to what the context leaves
+    token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+        self.block_table = BlockTable(self.block_size)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def needs_prefill(self) -> bool:
+        """More than the newest token is missing from the cache."""
+        return self.num_computed < len(self.token_ids) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Batch:
+    """The scheduler's choice for one step: (seq, start, end) chunks, or decode rows."""
+
+    chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(self.decode)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return self.decode or [s for s, _, _ in self.chunks]
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_batch: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.max_batch = max_batch
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch = self._schedule_prefill()
+        if batch.chunks:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        batch = Batch()
+        for seq in self.running:  # prompts already admitted whose later chunks are due
+            if seq.needs_prefill and budget > 0:
+                end = min(len(seq.token_ids), seq.num_computed + budget)
+                batch.chunks.append((seq, seq.num_computed, end))
+                budget -= end - seq.num_computed
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            try:
+                cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids)
+            except NoFreeBlocks:
+                break  # blocks come back as running sequences finish
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.num_computed = cached
+            end = min(len(seq.token_ids), cached + budget)
+            batch.chunks.append((seq, cached, end))
+            budget -= end - cached
+        return batch
+
+    def _schedule_decode(self) -> Batch:
+        batch = Batch()
+        for seq in sorted(self.running, key=lambda s: s.arrival):  # oldest first: they keep their blocks
+            if seq not in self.running:
+                continue  # preempted below while making room for an older one
+            while True:
+                try:
+                    self.allocator.append_slots(seq.block_table, len(seq.token_ids))
+                    batch.decode.append(seq)
+                    break
+                except NoFreeBlocks:
+                    victim = max(self.running, key=lambda s: s.arrival)
+                    self.preempt(victim)
+                    if victim is seq:
+                        break
+        return batch
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back seq's blocks; it will be recomputed from all its tokens when readmitted."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self.allocator.free(seq.block_table)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
