@@ -4,7 +4,7 @@ The package is read top to bottom one module at a time; DESIGN.md in the course 
 modules to the days that introduce them.
 """
 
-from nanoserve.errors import NanoserveError
+from nanoserve.errors import GateError, NanoserveError
 
 __version__ = "0.1.0"
-__all__ = ["NanoserveError", "__version__"]
+__all__ = ["GateError", "NanoserveError", "__version__"]

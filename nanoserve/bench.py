@@ -51,14 +51,28 @@ def decode_rate(run, n_tokens: int) -> tuple[float, list[int]]:
 def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
     import transformers
 
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
     from nanoserve.generate import greedy_tokens
     from nanoserve.model import load_model
+    from nanoserve.sampling import SamplingParams
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
     ours = load_model(model_dir, dtype=dtype)
     ours_rate, ours_tokens = decode_rate(lambda n: greedy_tokens(ours, prompt, n), n_tokens)
+    # the same request through the batched engine (paged cache, scheduler, plan per step)
+    engine = Engine(ours, tok, EngineConfig(max_batch=1))
+    engine_rate, engine_tokens = decode_rate(
+        lambda n: (
+            engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)[
+                0
+            ].token_ids
+        ),
+        n_tokens,
+    )
+    engine = None
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     ours = None  # free its memory before loading the peer
 
@@ -79,11 +93,13 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
 
     hf_rate, hf_tokens = decode_rate(hf_run, n_tokens)
     same = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), None)
+    assert engine_tokens == ours_tokens, "the engine's greedy tokens differ from the eager path's"
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "tokens": n_tokens,
         "nanoserve_tok_s": round(ours_rate, 1),
+        "engine_tok_s": round(engine_rate, 1),
         "transformers_tok_s": round(hf_rate, 1),
         "ratio": round(ours_rate / hf_rate, 2),
         "weight_mb": round(weight_bytes / 1e6, 1),
@@ -230,7 +246,8 @@ def cmd_decode(args) -> None:
         row["roofline_tok_s"] = round(bandwidth * 1e9 / (row["weight_mb"] * 1e6), 1)
         rows.append(row)
         print(
-            f"{row['dtype']:>9}: nanoserve {row['nanoserve_tok_s']:6.1f} tok/s   transformers "
+            f"{row['dtype']:>9}: nanoserve {row['nanoserve_tok_s']:6.1f} tok/s (engine "
+            f"{row['engine_tok_s']:.1f})   transformers "
             f"{row['transformers_tok_s']:6.1f} tok/s   ratio {row['ratio']:.2f}x   roofline "
             f"{row['roofline_tok_s']:.1f} tok/s ({row['weight_mb']:.0f} MB a token)   "
             f"greedy tokens differ at: {row['first_token_difference']}"

@@ -59,9 +59,10 @@ class BatchedPagedKVCache:
 
     def _decode_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
         rows, width = plan.slot_window.shape  # one query per row
-        window = plan.slot_window  # (B, W) slot numbers
-        k = self.k[layer][window]  # (B, W, kv, hd)
-        v = self.v[layer][window]
+        flat = plan.slot_window.reshape(-1)  # (B*W,) slot numbers
+        # index_select, not pool[window]: the same gather, ~4x faster on CPU (one memcpy per slot)
+        k = self.k[layer].index_select(0, flat).view(rows, width, *self.k[layer].shape[1:])  # (B, W, kv, hd)
+        v = self.v[layer].index_select(0, flat).view(rows, width, *self.v[layer].shape[1:])
         visible = torch.arange(width, device=q.device)[None, :] < plan.context_lens[:, None]  # (B, W)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, nh, 1, hd)
@@ -79,8 +80,8 @@ class BatchedPagedKVCache:
             if end == start or ctx == 0:
                 continue
             slots = plan.slot_window[r, :ctx]  # (ctx,) this row's keys, oldest first
-            k = self.k[layer][slots].transpose(0, 1)[None]  # (1, kv, ctx, hd)
-            v = self.v[layer][slots].transpose(0, 1)[None]
+            k = self.k[layer].index_select(0, slots).transpose(0, 1)[None]  # (1, kv, ctx, hd)
+            v = self.v[layer].index_select(0, slots).transpose(0, 1)[None]
             qr = q[start:end].transpose(0, 1)[None]  # (1, nh, n, hd)
             # query i sits at position ctx - n + i and sees keys up to and including itself
             n = end - start

@@ -108,7 +108,7 @@ def load(args):
         threads=args.threads,
     )
     try:
-        return build_engine(config, quiet=True)
+        return build_engine(config)
     except ValueError as e:
         raise NanoserveError(str(e)) from None
 

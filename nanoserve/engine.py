@@ -19,6 +19,7 @@ computes, the sampler picks.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -234,7 +235,7 @@ class Engine:
         return [done[rid] for rid in ids]
 
 
-def build_engine(config: EngineConfig, quiet: bool = False) -> Engine:
+def build_engine(config: EngineConfig) -> Engine:
     """Load the model and tokenizer the config names and build an engine around them."""
     from nanoserve.model import load_model
     from nanoserve.tokenizer import Tokenizer
@@ -252,6 +253,5 @@ def build_engine(config: EngineConfig, quiet: bool = False) -> Engine:
             f"{model.cfg.max_position_embeddings} tokens"
         )
     engine = Engine(model, Tokenizer.from_dir(model_dir), config)
-    if not quiet:
-        print(engine.pool.describe())
+    print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
     return engine

@@ -8,3 +8,7 @@ else that escapes is a bug in nanoserve, not a mistake of the user's.
 
 class NanoserveError(Exception):
     """A problem the user can fix: a bad path, a bad option, an input that does not fit."""
+
+
+class GateError(AssertionError):
+    """A gate (`check_<fact>`) found its fact false: the message names the fact and the values."""

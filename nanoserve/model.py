@@ -100,19 +100,32 @@ class LlamaConfig:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T for x (M, in), w (out, in).
 
-    On a multi-core CPU in fp32 the output features are split into one slab per thread and run
-    as a batched matmul: MKL's own GEMV/GEMM on these tall, thin shapes keeps one core streaming
-    the weights, while `bmm` hands each core its own slab. Measured on 2 cores over the
-    SmolLM2-135M shapes: 14 -> 23 GB/s at M=1, and 66 -> 46 ms a step at M=8 (Day 12). Every
-    output element is the same dot product either way, summed by a different kernel.
+    Two CPU facts shape this (Day 12 measures both):
+
+    * In fp32 on a multi-core CPU the output features are split into one slab per thread and
+      run as a batched matmul: MKL's own GEMV/GEMM on these tall, thin shapes keeps one core
+      streaming the weights, while `bmm` hands each core its own slab. On 2 cores over the
+      SmolLM2-135M shapes: 14 -> 23 GB/s at M=1, and 66 -> 46 ms a step at M=8.
+    * A CPU without bf16 matrix instructions (AVX2 parts) emulates a bf16 GEMM at ~20 GFLOP/s
+      against ~140 for fp32. One row is bandwidth-bound, so bf16's halved bytes win there;
+      from `BF16_UPCAST_ROWS` rows on, the weights are widened to fp32 for the product and the
+      result rounded back to bf16, which is what a bf16 GEMM does inside anyway (fp32 sums).
     """
+    if x.device.type != "cpu":
+        return F.linear(x, w)
+    if w.dtype == torch.bfloat16 and x.shape[0] >= BF16_UPCAST_ROWS and not _CPU_HAS_BF16:
+        return linear(x.float(), w.float()).to(torch.bfloat16)
     parts = torch.get_num_threads()
-    if x.device.type != "cpu" or w.dtype != torch.float32 or parts < 2 or w.shape[0] % parts:
+    if w.dtype != torch.float32 or parts < 2 or w.shape[0] % parts:
         return F.linear(x, w)
     m, out = x.shape[0], w.shape[0]
     slabs = w.view(parts, out // parts, w.shape[1]).transpose(1, 2)  # (P, in, out/P)
     y = torch.bmm(x.unsqueeze(0).expand(parts, -1, -1), slabs)  # (P, M, out/P)
     return y.transpose(0, 1).reshape(m, out)
+
+
+BF16_UPCAST_ROWS = 4
+_CPU_HAS_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
