@@ -15,12 +15,13 @@ in one run, is the figure to quote. Each benchmark ends with one machine-readabl
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from nanoserve.course import write_csv
 
 DECODE_PROMPT = "Explain, step by step, how a paged KV cache lets an inference server batch many requests."
 
@@ -210,21 +211,17 @@ def cmd_throughput(args) -> None:
             f"ratio {row['ratio']:.2f}x   "
             f"{useful} useful tokens, {preemptions} preemptions"
         )
-    if args.csv:
-        write_rows(rows, args.csv)
-    print(
-        "RESULT throughput "
-        + " ".join(
-            f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x" for r in rows
-        )
+    finish("throughput", rows, args.csv)
+
+
+def finish(bench: str, rows: list[dict], csv_path: str | None) -> None:
+    """Write the rows when asked, and end with the one machine-readable line."""
+    if csv_path:
+        write_csv(rows, csv_path)
+    ratios = " ".join(
+        f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x" for r in rows
     )
-
-
-def write_rows(rows: list[dict], path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    print(f"RESULT {bench} {ratios}")
 
 
 def cmd_decode(args) -> None:
@@ -252,14 +249,7 @@ def cmd_decode(args) -> None:
             f"{row['roofline_tok_s']:.1f} tok/s ({row['weight_mb']:.0f} MB a token)   "
             f"greedy tokens differ at: {row['first_token_difference']}"
         )
-    if args.csv:
-        write_rows(rows, args.csv)
-    print(
-        "RESULT decode "
-        + " ".join(
-            f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x" for r in rows
-        )
-    )
+    finish("decode", rows, args.csv)
 
 
 def main(argv: list[str] | None = None) -> int:

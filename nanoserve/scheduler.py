@@ -28,8 +28,6 @@ import torch
 from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks
 from nanoserve.sampling import SamplingParams
 
-_arrivals = itertools.count()
-
 
 @dataclass(eq=False)
 class Sequence:
@@ -40,7 +38,7 @@ class Sequence:
     max_tokens: int = 0  # params.max_tokens, cut to what the context leaves
     token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
     num_computed: int = 0  # tokens whose K/V is in the cache
-    arrival: int = field(default_factory=lambda: next(_arrivals))
+    arrival: int = 0  # order of admission to the scheduler: preemption picks the newest
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -87,8 +85,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:

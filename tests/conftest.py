@@ -15,3 +15,20 @@ def smollm_dir():
 def smollm_gguf(smollm_dir):
     """The GGUF the default model was converted from, left in $NANOSERVE_HOME/downloads."""
     return fetch_default_gguf()
+
+
+@pytest.fixture
+def gpt2_gguf(tmp_path):
+    """A tiny GGUF of another architecture (gpt2), for the refusals."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

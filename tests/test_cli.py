@@ -61,19 +61,8 @@ def test_corrupt_model_dir_is_one_line(tmp_path, smollm_dir):
     assert_one_line_error(nanoserve("generate", "hi", "--model", str(bad)), "config.json")
 
 
-def test_gguf_of_another_architecture_is_one_line(tmp_path):
-    import gguf
-    import numpy as np
-
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert_one_line_error(nanoserve("import-gguf", str(path)), "gpt2")
+def test_gguf_of_another_architecture_is_one_line(gpt2_gguf):
+    assert_one_line_error(nanoserve("import-gguf", str(gpt2_gguf)), "gpt2")
 
 
 def test_prompt_longer_than_context_is_one_line(smollm_dir):

@@ -226,16 +226,9 @@ def test_import_refuses_a_non_empty_output_dir(tiny, tmp_path):
 # --- bad GGUFs ---
 
 
-def test_gguf_of_another_architecture_names_it(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+def test_gguf_of_another_architecture_names_it(tmp_path, gpt2_gguf):
     with pytest.raises(NanoserveError, match="architecture is 'gpt2'.*only 'llama'"):
-        import_gguf(tmp_path / "gpt2.gguf", tmp_path / "out")
+        import_gguf(gpt2_gguf, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
