@@ -1,0 +1,95 @@
+"""Graphs, in principle (day 50): what a recorded step binds and what it freezes.
+
+A CUDA graph replays the kernels it recorded against the addresses it recorded them with, and
+every Python value it saw while recording is baked in. `HostGraph` is the CPU stand-in with the
+same contract, so the arc of days 50-56 runs and is tested without a GPU:
+
+* recording runs the step once and keeps its tensor arguments by identity (their storage is
+  live: new numbers written into them are what a replay computes on), and everything else by
+  value (frozen: a later change to a Python list, tuple field or int is not seen);
+* replay re-runs the step on exactly those objects, writes the result into the output it
+  returned at recording (a CUDA graph's output is a fixed buffer too), and refuses with
+  `ReplayError` if any bound tensor's storage moved (`data_ptr` changed).
+
+So a replay over a stale frozen value computes the wrong thing on CPU exactly as it would on
+CUDA; that is what the day-54 gates are for. Objects (a plan dataclass, say) are copied one
+level at a time: their tensor fields stay bound, their other fields are frozen.
+
+    buf = torch.zeros(3); g = HostGraph.record(lambda x, k: x * k, buf, 2)
+    buf.copy_(torch.tensor([1., 2., 3.])); g.replay()   -> tensor([2., 4., 6.])   live storage
+    (the 2 was frozen: nothing can make this graph multiply by 3)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+
+class ReplayError(RuntimeError):
+    """A bound tensor's storage moved since recording: a real graph would read freed memory."""
+
+
+def freeze(value):
+    """Tensors by identity; containers and dataclasses rebuilt around frozen members; the rest
+    deep-copied, so later mutation cannot reach the recorded call."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [freeze(v) for v in value]
+        return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
+    if isinstance(value, dict):
+        return {k: freeze(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        clone = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(clone, f.name, freeze(getattr(value, f.name)))
+        return clone
+    return copy.deepcopy(value)
+
+
+def bound_tensors(value, found=None) -> list[torch.Tensor]:
+    """Every tensor reachable from a frozen argument (the ones a replay reads by address)."""
+    found = [] if found is None else found
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            bound_tensors(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            bound_tensors(v, found)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            bound_tensors(getattr(value, f.name), found)
+    return found
+
+
+class HostGraph:
+    def __init__(self, fn, args, kwargs, output):
+        self.fn, self.args, self.kwargs, self.output = fn, args, kwargs, output
+        self.bound = bound_tensors((args, kwargs))
+        self.addresses = [t.data_ptr() for t in self.bound]
+
+    @classmethod
+    def record(cls, fn, *args, **kwargs) -> HostGraph:
+        args, kwargs = freeze(args), freeze(kwargs)
+        return cls(fn, args, kwargs, fn(*args, **kwargs))
+
+    def check_addresses(self) -> None:
+        for t, addr in zip(self.bound, self.addresses):
+            if t.data_ptr() != addr:
+                raise ReplayError(
+                    f"a bound tensor of shape {tuple(t.shape)} moved from {addr:#x} to {t.data_ptr():#x} "
+                    "since recording; record the graph again"
+                )
+
+    def replay(self):
+        self.check_addresses()
+        out = self.fn(*self.args, **self.kwargs)
+        if isinstance(self.output, torch.Tensor):
+            self.output.copy_(out)
+            return self.output
+        return out
