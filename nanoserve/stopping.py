@@ -13,6 +13,17 @@ string itself never is (OpenAI's convention).
 from __future__ import annotations
 
 
+def first_stop(text: str, stops) -> int | None:
+    """Where the text is cut: the start of the stop string that is complete first as the text
+    grows (the earliest end), ties going to the one that starts earlier. None if none occurs.
+
+    "aba" with stops ("b", "aba"): "b" is complete at the second character, "aba" only at the
+    third, so the cut is at 1 and the text is "a".
+    """
+    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
+
+
 class StopStrings:
     def __init__(self, stops: tuple[str, ...] | list[str] = ()):
         self.stops = tuple(stops)
@@ -34,10 +45,10 @@ class StopStrings:
         if self.stopped:
             return "", True
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hit = first_stop(text, self.stops)
+        if hit is not None:
             self.stopped, self.held = True, ""
-            return text[: min(hits)], True
+            return text[:hit], True
         keep = self._holdback(text)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False

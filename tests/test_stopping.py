@@ -34,6 +34,12 @@ def test_earliest_stop_wins():
     assert run(["a STOP b HALT"], ["HALT", "STOP"]) == ("a ", True)
 
 
+def test_the_stop_completed_first_wins_whatever_the_pieces():
+    # "b" is complete one character before "aba" is, so the cut is after "a"
+    for pieces in (["aba"], ["ab", "a"], ["a", "b", "a"]):
+        assert run(pieces, ["b", "aba"]) == ("a", True)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.text(alphabet="abc\n", max_size=40),
@@ -43,6 +49,11 @@ def test_earliest_stop_wins():
 def test_streamed_output_is_the_text_before_the_first_stop(text, stops, data):
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    expected = (text[: min(hits)], True) if hits else (text, False)
+    # the reference: grow the text one character at a time and cut at the first complete stop
+    expected = (text, False)
+    for n in range(1, len(text) + 1):
+        done = [s for s in stops if text[:n].endswith(s)]
+        if done:
+            expected = (text[: n - max(len(s) for s in done)], True)
+            break
     assert run(pieces, stops) == expected
