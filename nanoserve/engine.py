@@ -156,26 +156,21 @@ class Engine:
             return []
         plan = self.runner.plan(batch)
         logits = self.runner.execute(plan)  # (B, V)
-        outputs = []
-        rows = [(i, s) for i, s in enumerate(plan.rows)]
-        if not batch.is_decode:
-            for seq, _, end in batch.chunks:
-                seq.num_computed = end
-            rows = [(i, s) for i, s in rows if s.num_computed == len(s.token_ids)]  # last chunks only
-        else:
-            for seq in batch.decode:
-                seq.num_computed = len(seq.token_ids)
+        for seq, _, end in batch.chunks:
+            seq.num_computed = end
+        for seq in batch.decode:
+            seq.num_computed = len(seq.token_ids)
         for seq in plan.rows:
             # only blocks whose K/V is written now may be shared: another sequence can read them next step
             self.allocator.cache_full_blocks(seq.block_table, seq.token_ids[: seq.num_computed])
-        if not rows:
+        # a row samples once its whole sequence is in the cache (a prompt's last chunk, or decode)
+        ready = [i for i, s in enumerate(plan.rows) if s.num_computed == len(s.token_ids)]
+        if not ready:
             return []
-        idx = torch.tensor([i for i, _ in rows], device=logits.device)
-        seqs = [s for _, s in rows]
-        tokens = sample(logits[idx], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        for seq, token in zip(seqs, tokens):
-            outputs.append(self._append(seq, token))
-        return outputs
+        seqs = [plan.rows[i] for i in ready]
+        picked = logits[torch.tensor(ready, device=logits.device)]
+        tokens = sample(picked, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        return [self._append(seq, token) for seq, token in zip(seqs, tokens)]
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         req = self.requests[seq.request_id]
