@@ -21,6 +21,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
     enable_prefix_caching: bool = True
     threads: int | None = None  # CPU threads for torch; None: leave torch's default
+    # decode at fixed addresses (days 51-53): pad each decode batch to a (rows, width) bucket,
+    # addressed through the slot table; with persist_inputs, through buffers written in place
+    bucket_decode: bool = False
+    persist_inputs: bool = False
+    width_multiple: int = 32
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
@@ -28,6 +33,10 @@ class EngineConfig:
         for name in ("max_batch", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.persist_inputs and not self.bucket_decode:
+            raise ValueError("persist_inputs needs bucket_decode: persistent buffers hold a bucketed batch")
+        if self.width_multiple < 1:
+            raise ValueError(f"width_multiple must be at least 1, got {self.width_multiple}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         return self

@@ -26,12 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.blocks import BlockAllocator
+from nanoserve.buckets import row_buckets, width_buckets
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
+from nanoserve.inputs import PersistentInputs
 from nanoserve.pool import plan_pool
 from nanoserve.runner import ModelRunner
 from nanoserve.sampling import SamplingParams, sample
 from nanoserve.scheduler import Scheduler, Sequence
+from nanoserve.slots import SlotTable
 from nanoserve.stopping import StopStrings
 
 
@@ -88,7 +91,18 @@ class Engine:
         )
         self.cache = BatchedPagedKVCache(model.cfg, self.pool.num_slots, dtype=dtype, device=model.device)
         self.scheduler = Scheduler(self.allocator, config.max_batch, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, config.block_size)
+        slot_table = buckets = inputs = None
+        if config.bucket_decode:
+            sink = self.pool.sink_slot
+            slot_table = SlotTable(config.max_batch, self.max_model_len, sink, device=model.device)
+            buckets = (
+                row_buckets(config.max_batch),
+                width_buckets(self.max_model_len, config.width_multiple),
+            )
+            if config.persist_inputs:
+                inputs = PersistentInputs(config.max_batch, sink, device=model.device)
+        self.runner = ModelRunner(model, self.cache, config.block_size, slot_table, buckets, inputs)
+        self.scheduler.on_leave = self.runner.release
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()

@@ -91,3 +91,41 @@ def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
         is_decode=True,
         row_spans=[(i, i + 1, p + 1) for i, p in enumerate(pos)],
     )
+
+
+def plan_decode_bucketed(
+    seqs, slot_table, buckets: tuple[tuple[int, ...], tuple[int, ...]], inputs=None, device="cpu"
+):
+    """One token per row, padded up to a (rows, width) bucket (day 52).
+
+    `seqs` must be the slot table's live rows in row order, so the slot window is a view on the
+    table (`SlotTable.read`). Padded rows have context_lens 0 (fully masked) and write their K/V
+    to the sink slot. With `inputs` (`PersistentInputs`, day 53) the four per-row tensors are
+    views on buffers written in place; without, they are new tensors, as in `plan_decode`.
+    """
+    row_set, width_set = buckets
+    n = len(seqs)
+    pos = [len(s.token_ids) - 1 for s in seqs]
+    ctx = [p + 1 for p in pos]
+    rows = next(r for r in row_set if r >= n)
+    width = next(w for w in width_set if w >= max(ctx, default=1))
+    ids = [s.token_ids[-1] for s in seqs]
+    slots = [s.block_table.slot(p) for s, p in zip(seqs, pos)]
+    if inputs is not None:
+        input_ids, positions, write_slots, context_lens, logits_at = inputs.write(ids, pos, slots, ctx, rows)
+    else:
+        pad = rows - n
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        input_ids, positions = as_long(ids + [0] * pad), as_long(pos + [0] * pad)
+        write_slots = as_long(slots + [slot_table.sink_slot] * pad)
+        context_lens, logits_at = as_long(ctx + [0] * pad), torch.arange(rows, device=device)
+    return StepPlan(
+        input_ids=input_ids,
+        positions=positions,
+        write_slots=write_slots,
+        context_lens=context_lens,
+        slot_window=slot_table.read(tuple(range(n)), width, rows - n),
+        logits_at=logits_at,
+        rows=tuple(seqs),
+        is_decode=True,
+    )

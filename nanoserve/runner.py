@@ -11,19 +11,55 @@ import torch
 
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.model import Llama
-from nanoserve.plan import StepPlan, plan_decode, plan_prefill
-from nanoserve.scheduler import Batch
+from nanoserve.plan import StepPlan, plan_decode, plan_decode_bucketed, plan_prefill
+from nanoserve.scheduler import Batch, Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, cache: BatchedPagedKVCache, block_size: int):
+    """`slot_table` and `buckets` switch decode to the bucketed path; `inputs` (persistent
+    buffers) to writing its addressing in place."""
+
+    def __init__(
+        self,
+        model: Llama,
+        cache: BatchedPagedKVCache,
+        block_size: int,
+        slot_table=None,
+        buckets=None,
+        inputs=None,
+    ):
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.slot_table, self.buckets, self.inputs = slot_table, buckets, inputs
 
     def plan(self, batch: Batch) -> StepPlan:
         device = self.model.device
+        if batch.is_decode and self.slot_table is not None:
+            seqs = self._sync_rows(batch.decode)
+            return plan_decode_bucketed(seqs, self.slot_table, self.buckets, self.inputs, device)
         if batch.is_decode:
             return plan_decode(batch.decode, self.block_size, device)
         return plan_prefill(batch.chunks, self.block_size, device)
+
+    def _sync_rows(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Bring the slot table up to this decode batch: rows of sequences no longer decoding are
+        released, new ones assigned, every row extended to its newest position. Returns the
+        batch in row order, which is the table's live prefix."""
+        table, members = self.slot_table, set(seqs)
+        for key in [k for k in table.owner if k not in members]:
+            table.release(key)
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if seq not in table.row_of:
+                table.assign(seq, seq.block_table.slots(0, n))
+            else:
+                have = table.lengths[table.row_of[seq]]
+                table.extend(seq, seq.block_table.slots(have, n))
+        return sorted(seqs, key=table.row_of.__getitem__)
+
+    def release(self, seq: Sequence) -> None:
+        """seq left the running set (finished, aborted or preempted): free its slot-table row."""
+        if self.slot_table is not None and seq in self.slot_table.row_of:
+            self.slot_table.release(seq)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:

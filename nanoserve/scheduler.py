@@ -86,6 +86,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
+        self.on_leave = lambda seq: None  # told when a sequence leaves the running set
 
     def add(self, seq: Sequence) -> None:
         seq.arrival = next(self._arrivals)
@@ -143,6 +144,7 @@ class Scheduler:
         """Give back seq's blocks; it will be recomputed from all its tokens when readmitted."""
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
+        self.on_leave(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -153,5 +155,6 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self.allocator.free(seq.block_table)
+            self.on_leave(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
