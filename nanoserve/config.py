@@ -25,6 +25,7 @@ class EngineConfig:
     # addressed through the slot table; with persist_inputs, through buffers written in place
     bucket_decode: bool = False
     persist_inputs: bool = False
+    capture_decode: bool = False  # record one decode graph per (rows, width) shape, replay it after
     width_multiple: int = 32
 
     def validate(self) -> EngineConfig:
@@ -35,6 +36,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.persist_inputs and not self.bucket_decode:
             raise ValueError("persist_inputs needs bucket_decode: persistent buffers hold a bucketed batch")
+        if self.capture_decode and not self.persist_inputs:
+            raise ValueError(
+                "capture_decode needs persist_inputs: a graph reads its inputs at fixed addresses"
+            )
         if self.width_multiple < 1:
             raise ValueError(f"width_multiple must be at least 1, got {self.width_multiple}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -101,7 +101,9 @@ class Engine:
             )
             if config.persist_inputs:
                 inputs = PersistentInputs(config.max_batch, sink, device=model.device)
-        self.runner = ModelRunner(model, self.cache, config.block_size, slot_table, buckets, inputs)
+        self.runner = ModelRunner(
+            model, self.cache, config.block_size, slot_table, buckets, inputs, capture=config.capture_decode
+        )
         self.scheduler.on_leave = self.runner.release
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()

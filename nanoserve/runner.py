@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.capture import HostGraph
 from nanoserve.model import Llama
 from nanoserve.plan import StepPlan, plan_decode, plan_decode_bucketed, plan_prefill
 from nanoserve.scheduler import Batch, Sequence
@@ -17,7 +18,8 @@ from nanoserve.scheduler import Batch, Sequence
 
 class ModelRunner:
     """`slot_table` and `buckets` switch decode to the bucketed path; `inputs` (persistent
-    buffers) to writing its addressing in place."""
+    buffers) to writing its addressing in place; `capture` to replaying one recorded graph per
+    decode shape (`HostGraph` here; day 54)."""
 
     def __init__(
         self,
@@ -27,9 +29,13 @@ class ModelRunner:
         slot_table=None,
         buckets=None,
         inputs=None,
+        capture: bool = False,
     ):
         self.model, self.cache, self.block_size = model, cache, block_size
         self.slot_table, self.buckets, self.inputs = slot_table, buckets, inputs
+        self.capture = capture
+        self.graphs: dict[tuple[int, int], HostGraph] = {}  # (rows, width) -> recorded decode step
+        self.cold_captures = 0  # graphs recorded in front of a running request
 
     def plan(self, batch: Batch) -> StepPlan:
         device = self.model.device
@@ -61,7 +67,21 @@ class ModelRunner:
         if self.slot_table is not None and seq in self.slot_table.row_of:
             self.slot_table.release(seq)
 
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        return self.model(plan.input_ids, plan.positions, self.cache.view(plan), logits_at=plan.logits_at)
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Logits (B, vocab), fp32, one row per plan row (its last token)."""
-        return self.model(plan.input_ids, plan.positions, self.cache.view(plan), logits_at=plan.logits_at)
+        """Logits (B, vocab), fp32, one row per plan row (its last token).
+
+        With capture on, a decode step replays the graph recorded for its (rows, width) shape,
+        recording it first if this is the shape's first step (a cold capture)."""
+        if not (self.capture and plan.is_decode):
+            return self._forward(plan)
+        shape = tuple(plan.slot_window.shape)
+        graph = self.graphs.get(shape)
+        if graph is None:
+            self.graphs[shape] = graph = HostGraph.record(self._forward, plan)
+            self.cold_captures += 1
+            return graph.output
+        return graph.replay()

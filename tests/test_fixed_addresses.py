@@ -1,7 +1,8 @@
-"""Decode at fixed addresses (days 51-53): bucketed and persistent decode against eager.
+"""Decode at fixed addresses (days 51-54): bucketed, persistent and captured decode against eager.
 
-Bucketed and persistent runs compute the same shapes, so they must agree bit for bit, logits
-included. Against unpadded eager decode, only the near-tie rule may excuse a difference.
+Bucketed, persistent and captured (HostGraph) runs compute the same shapes, so they must agree
+bit for bit, logits included. Against unpadded eager decode, only the near-tie rule may excuse
+a difference.
 """
 
 import pytest
@@ -43,16 +44,20 @@ def test_bucketed_and_persistent_decode_give_eager_tokens(tiny_model):  # noqa: 
     plain = engine(tiny_model)
     bucketed = engine(tiny_model, bucket_decode=True)
     persistent = engine(tiny_model, bucket_decode=True, persist_inputs=True)
-    logits_b, logits_p = record_logits(bucketed), record_logits(persistent)
-    # staggered arrivals: requests join and leave mid-run, so the row set changes between steps
-    runs = [run_all(e, reqs, stagger=2) for e in (plain, bucketed, persistent)]
+    captured = engine(tiny_model, bucket_decode=True, persist_inputs=True, capture_decode=True)
+    logits = [record_logits(e) for e in (bucketed, persistent, captured)]
+    # staggered arrivals: requests join and leave mid-run, so the row set changes between replays
+    runs = [run_all(e, reqs, stagger=2) for e in (plain, bucketed, persistent, captured)]
     ties = []
     for (prompt, _), ref, *got in zip(reqs, eager, *runs):
         for g in got:
             check_same_or_near_tie(tiny_model, prompt, ref, g, ties)
-    assert runs[1] == runs[2]
-    assert len(logits_b) == len(logits_p) and all(torch.equal(a, b) for a, b in zip(logits_b, logits_p))
-    for e in (bucketed, persistent):
+    assert runs[1] == runs[2] == runs[3]
+    for other in logits[1:]:  # the same shapes computed the same way: bit for bit
+        assert len(other) == len(logits[0]) and all(torch.equal(a, b) for a, b in zip(logits[0], other))
+    graphs = captured.runner.graphs
+    assert 0 < captured.runner.cold_captures == len(graphs) < len(logits[2])  # most steps were replays
+    for e in (bucketed, persistent, captured):
         assert e.runner.slot_table.num_live == 0, "every slot-table row comes back"
 
 
@@ -107,7 +112,7 @@ def test_a_zero_length_row_yields_zeros_not_nan(tiny_model):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_smollm_bucketed_persistent_decode_matches_eager(smollm_dir):
+def test_smollm_bucketed_persistent_captured_decode_matches_eager(smollm_dir):
     from nanoserve.model import load_model
     from nanoserve.tokenizer import Tokenizer
 
@@ -115,8 +120,11 @@ def test_smollm_bucketed_persistent_decode_matches_eager(smollm_dir):
     questions = ["What is 2 + 2?", "Name a colour.", "Why is the sky blue?", "Say hi.", "Count to five."]
     reqs = [(tok.encode_chat([{"role": "user", "content": q}]), 10 + 3 * i) for i, q in enumerate(questions)]
     eager = [greedy_tokens(model, p, n) for p, n in reqs]
-    eng = Engine(model, tok, EngineConfig(max_batch=8, bucket_decode=True, persist_inputs=True))
-    ties = []
-    for (prompt, _), ref, got in zip(reqs, eager, run_all(eng, reqs, stagger=2)):
-        check_same_or_near_tie(model, prompt, ref, got, ties)
-    assert eng.runner.slot_table.num_live == 0
+    for capture in (False, True):
+        cfg = EngineConfig(max_batch=8, bucket_decode=True, persist_inputs=True, capture_decode=capture)
+        eng = Engine(model, tok, cfg)
+        ties = []
+        for (prompt, _), ref, got in zip(reqs, eager, run_all(eng, reqs, stagger=2)):
+            check_same_or_near_tie(model, prompt, ref, got, ties)
+        assert eng.runner.slot_table.num_live == 0
+        assert (eng.runner.cold_captures > 0) == capture
