@@ -56,3 +56,21 @@ def bucket_shape(
     return bucket_up(rows, row_buckets(max_batch)), bucket_up(
         width, width_buckets(max_model_len, width_multiple)
     )
+
+
+def check_pad_inert(plan, sink_slot: int) -> None:
+    """Padded rows touch nothing: every row past the plan's real rows has context_lens 0 and
+    writes to the sink, and no real row writes to the sink. Passes vacuously on no rows."""
+    from nanoserve.errors import GateError
+
+    n = len(plan.rows)
+    ctx, writes = plan.context_lens.tolist(), plan.write_slots.tolist()
+    for r in range(n, len(ctx)):
+        if ctx[r] != 0 or writes[r] != sink_slot:
+            raise GateError(
+                f"padded row {r} is not inert: context_lens {ctx[r]} (want 0), write_slots {writes[r]} "
+                f"(want the sink {sink_slot})"
+            )
+    for r in range(n):
+        if writes[r] == sink_slot:
+            raise GateError(f"real row {r} writes its K/V to the sink slot {sink_slot}; it would be lost")

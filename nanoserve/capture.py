@@ -93,3 +93,30 @@ class HostGraph:
             self.output.copy_(out)
             return self.output
         return out
+
+
+def check_addresses_stable(inputs, recorded: tuple[int, ...]) -> None:
+    """The persistent buffers a graph reads are where they were when it was recorded."""
+    from nanoserve.errors import GateError
+
+    now = inputs.addresses
+    if now != tuple(recorded):
+        moved = [i for i, (a, b) in enumerate(zip(now, recorded)) if a != b]
+        raise GateError(
+            f"persistent input buffers {moved} moved since recording ({len(moved)} of {len(now)})"
+        )
+
+
+def check_replay_rows(graph: HostGraph, plan) -> None:
+    """A graph's frozen row tuple is empty (recorded on a warm batch) or this step's rows: a
+    mid-run capture replayed over another set of sequences has frozen the wrong ones."""
+    from nanoserve.errors import GateError
+
+    name = lambda s: getattr(s, "request_id", s)  # noqa: E731  (frozen rows are copies: compare names)
+    frozen = [name(s) for s in (graph.args[0].rows if graph.args else ())]
+    now = [name(s) for s in plan.rows]
+    if frozen and frozen != now:
+        raise GateError(
+            f"this graph froze rows {frozen} at recording; replaying it for {now} "
+            "replays another batch's plan"
+        )

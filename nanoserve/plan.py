@@ -129,3 +129,52 @@ def plan_decode_bucketed(
         rows=tuple(seqs),
         is_decode=True,
     )
+
+
+# --- gates: what a captured step relies on (day 54) -------------------------------------------
+
+
+def check_mapping_is_window(plan: StepPlan, slot_table) -> None:
+    """The plan's slot window is a view on the slot table (same storage, rows from row 0), and
+    its real rows are the table's live prefix in order."""
+    from nanoserve.errors import GateError
+
+    w, t = plan.slot_window, slot_table.table
+    if w.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() or w.data_ptr() != t.data_ptr():
+        raise GateError("the slot window is not a view on the slot table's storage from row 0")
+    if w.stride() != t.stride():
+        raise GateError(f"the slot window's strides {w.stride()} are not the table's {t.stride()}")
+    owners = tuple(slot_table.owner[: len(plan.rows)])
+    if tuple(plan.rows) != owners:
+        raise GateError("the plan's rows are not the slot table's live rows in row order")
+
+
+def check_window_intact(plan: StepPlan) -> None:
+    """Each real row's window holds its sequence's slots for every position it attends to."""
+    from nanoserve.errors import GateError
+
+    ctx = plan.context_lens.tolist()
+    for r, seq in enumerate(plan.rows):
+        want = seq.block_table.slots(0, ctx[r])
+        got = plan.slot_window[r, : ctx[r]].tolist()
+        if got != want:
+            bad = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            raise GateError(
+                f"row {r}'s window holds slot {got[bad]} at position {bad}; its block table says {want[bad]}"
+            )
+
+
+def check_plan_addressing(plan: StepPlan) -> None:
+    """Each real row writes its new K/V where its window says its position lives, and attends
+    over exactly the positions up to and including it."""
+    from nanoserve.errors import GateError
+
+    pos, ctx, writes = plan.positions.tolist(), plan.context_lens.tolist(), plan.write_slots.tolist()
+    for r in range(len(plan.rows)):
+        if ctx[r] != pos[r] + 1:
+            raise GateError(f"row {r} sits at position {pos[r]} but attends over {ctx[r]} positions")
+        if writes[r] != plan.slot_window[r, pos[r]].item():
+            raise GateError(
+                f"row {r} writes to slot {writes[r]}, but its window maps position {pos[r]} "
+                f"to slot {plan.slot_window[r, pos[r]].item()}"
+            )
