@@ -41,6 +41,11 @@ class BatchedPagedKVCache:
             self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def ensure_pools(self) -> None:
+        """Allocate every layer's pools now (a warm-up wants them resident before the door opens)."""
+        for layer in range(self.cfg.num_layers):
+            self._ensure_pool(layer)
+
     @property
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)

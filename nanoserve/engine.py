@@ -214,6 +214,19 @@ class Engine:
         req.text += out.text_delta
         return out
 
+    def warm_decode(self, max_rows: int | None = None, max_width: int | None = None):
+        """Record the decode graphs for every bucket shape (trimmed to max_rows and max_width)
+        before any request arrives; needs capture_decode. Returns a `WarmupReport`."""
+        from nanoserve.warmup import warm_decode, warm_shapes
+
+        if not self.config.capture_decode:
+            raise ValueError("warm_decode needs capture_decode: there is nothing to record without it")
+        shapes = warm_shapes(
+            self.config.max_batch, self.max_model_len, self.config.width_multiple, max_rows, max_width
+        )
+        self.cache.ensure_pools()
+        return warm_decode(self.runner, shapes)
+
     # --- offline ---------------------------------------------------------------------------
 
     def generate(self, prompts, params=None, use_tqdm: bool = True) -> list[Completion]:

@@ -11,14 +11,23 @@ as the widest shape that fits, so the list can be trimmed on both axes:
     warmup_seconds(warm_shapes(256, 8192, 128), 0.05) -> 28.8   576 shapes
     width_ceiling(64_000_000, rows=256, heads=32)     -> 1953   tokens of fp32 scores
 
-This module holds the arithmetic: plain functions of numbers, so a notebook can call them with
-numbers alone. The warm-up itself (the all-padding batch driven through the capture) needs the
-slot table, the persistent inputs and the capture of days 51-54.
+The arithmetic is plain functions of numbers, so a notebook can call them with numbers alone.
+The warm-up itself is `warmup_plan` (one shape's addressing over no sequences: every row padded,
+every write at the sink, every context 0, the window a view on the real slot table, the tensors
+written into the real persistent buffers) and `warm_decode`, which records one graph per shape
+from such a plan, biggest first, and returns a `WarmupReport`. A graph recorded this way froze
+the empty row tuple, so there is no batch it can be wrong about.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 from nanoserve.buckets import bucket_up, row_buckets, width_buckets
+from nanoserve.capture import HostGraph
+from nanoserve.errors import GateError
+from nanoserve.plan import StepPlan
 
 
 def warm_shapes(
@@ -70,3 +79,83 @@ def width_ceiling(budget_bytes: int, rows: int, heads: int, bytes_per_score: int
     width numbers, and a shared pool is as large as its largest member, so a budget caps the
     width rather than the length of the list."""
     return budget_bytes // (rows * heads * bytes_per_score)
+
+
+# --- the warm-up itself --------------------------------------------------------------------------
+
+
+@dataclass
+class WarmupReport:
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def graphs(self) -> int:
+        return len(self.shapes)
+
+    def describe(self) -> str:
+        return f"warm list: {self.graphs} graphs in {self.seconds:.2f} s"
+
+
+def warmup_plan(shape: tuple[int, int], slot_table, inputs) -> StepPlan:
+    """A decode plan of `shape` over no sequences: all rows padded, so it writes only the sink
+    and attends to nothing, through the same window and buffers a real step uses."""
+    rows, width = shape
+    input_ids, positions, write_slots, context_lens, logits_at = inputs.write([], [], [], [], rows)
+    return StepPlan(
+        input_ids=input_ids,
+        positions=positions,
+        write_slots=write_slots,
+        context_lens=context_lens,
+        slot_window=slot_table.read((), width, pad_rows=rows),
+        logits_at=logits_at,
+        rows=(),
+        is_decode=True,
+    )
+
+
+def warm_decode(runner, shapes: list[tuple[int, int]]) -> WarmupReport:
+    """Record a graph for every shape not yet recorded, from warm plans, biggest first."""
+    report = WarmupReport()
+    t0 = time.perf_counter()
+    for shape in sorted(shapes, key=lambda s: (s[0] * s[1], s[0]), reverse=True):
+        if shape in runner.graphs:
+            continue
+        plan = warmup_plan(shape, runner.slot_table, runner.inputs)
+        check_warm_rows_empty(plan)
+        check_warm_writes_sink(plan, runner.slot_table.sink_slot)
+        runner.graphs[shape] = HostGraph.record(runner._forward, plan)
+        report.shapes.append(shape)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def check_warm_rows_empty(plan: StepPlan) -> None:
+    """A warm plan addresses no sequence."""
+    if plan.rows:
+        raise GateError(f"a warm plan must have no rows; this one has {len(plan.rows)}")
+
+
+def check_warm_writes_sink(plan: StepPlan, sink_slot: int) -> None:
+    """Every row of a warm plan writes to the sink and attends to nothing."""
+    bad = [
+        r
+        for r, (w, c) in enumerate(zip(plan.write_slots.tolist(), plan.context_lens.tolist()))
+        if w != sink_slot or c != 0
+    ]
+    if bad:
+        raise GateError(f"warm rows {bad} write outside the sink or attend to something")
+
+
+def check_warm_graphs_unbound(graphs: dict) -> None:
+    """Every graph in the list froze the empty row tuple: it came from the warm-up, not from a
+    step that slipped past it."""
+    bound = [shape for shape, g in graphs.items() if g.args and g.args[0].rows]
+    if bound:
+        raise GateError(f"graphs {bound} were recorded over real rows, not by the warm-up")
+
+
+def check_no_cold_captures(cold_captures: int) -> None:
+    """After warming, no step recorded a graph in front of a client."""
+    if cold_captures:
+        raise GateError(f"{cold_captures} graphs were recorded mid-run after warming")

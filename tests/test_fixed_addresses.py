@@ -128,3 +128,62 @@ def test_smollm_bucketed_persistent_captured_decode_matches_eager(smollm_dir):
             check_same_or_near_tie(model, prompt, ref, got, ties)
         assert eng.runner.slot_table.num_live == 0
         assert (eng.runner.cold_captures > 0) == capture
+
+
+def test_warmed_decode_gives_eager_tokens_with_no_cold_captures(tiny_model):  # noqa: F811
+    from nanoserve.capture import check_replay_rows
+    from nanoserve.warmup import check_no_cold_captures, check_warm_graphs_unbound
+
+    reqs = random_requests(12, tiny_model.cfg.vocab_size, seed=13, max_tokens=(4, 30))
+    eager = [greedy_tokens(tiny_model, p, n) for p, n in reqs]
+    eng = engine(tiny_model, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=128)
+    report = eng.warm_decode()
+    assert report.graphs == len(eng.runner.graphs) == 4 * 8  # rows 1,2,4,8 x widths 16..128
+    assert report.shapes[0] == (8, 128)  # biggest first
+    check_warm_graphs_unbound(eng.runner.graphs)
+    execute, replays = eng.runner.execute, []
+
+    def watched(plan):
+        if plan.is_decode:
+            check_replay_rows(eng.runner.graphs[tuple(plan.slot_window.shape)], plan)
+            replays.append(plan)
+        return execute(plan)
+
+    eng.runner.execute = watched
+    ties = []
+    for (prompt, _), ref, got in zip(reqs, eager, run_all(eng, reqs, stagger=2)):
+        check_same_or_near_tie(tiny_model, prompt, ref, got, ties)
+    check_no_cold_captures(eng.runner.cold_captures)
+    assert replays and eng.runner.slot_table.num_live == 0
+
+
+def test_warm_gates_fail_on_wrongly_built_inputs(tiny_model):  # noqa: F811
+    from nanoserve.errors import GateError
+    from nanoserve.warmup import (
+        check_no_cold_captures,
+        check_warm_graphs_unbound,
+        check_warm_rows_empty,
+        check_warm_writes_sink,
+        warmup_plan,
+    )
+
+    eng = engine(tiny_model, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=64)
+    plan = warmup_plan((4, 32), eng.runner.slot_table, eng.runner.inputs)
+    check_warm_rows_empty(plan)
+    check_warm_writes_sink(plan, eng.pool.sink_slot)
+    assert plan.slot_window.data_ptr() == eng.runner.slot_table.address  # a window on the real table
+    assert plan.input_ids.data_ptr() == eng.runner.inputs.input_ids.data_ptr()  # the real buffers
+    plan.rows = ("somebody",)
+    with pytest.raises(GateError, match="no rows"):
+        check_warm_rows_empty(plan)
+    plan.write_slots[1] = 0
+    with pytest.raises(GateError, match=r"warm rows \[1\]"):
+        check_warm_writes_sink(plan, eng.pool.sink_slot)
+    # a lazily captured graph is bound to the rows it was recorded over
+    eng.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    while eng.has_unfinished():
+        eng.step()
+    with pytest.raises(GateError, match="recorded over real rows"):
+        check_warm_graphs_unbound(eng.runner.graphs)
+    with pytest.raises(GateError, match="recorded mid-run"):
+        check_no_cold_captures(eng.runner.cold_captures)
