@@ -1,0 +1,141 @@
+"""Day 55's benchmark: lazy captures against a warmed capture list (host only, no weights).
+
+A tiny random-weight Llama runs 2 requests off one 16-token prompt at width multiple 32 and
+generates 8, 32, 64 and 128 tokens, once capturing lazily and once after `Engine.warm_decode`.
+The cold column (graphs recorded mid-run) must equal `lazy_captures` and be 0 after warming.
+Then the same arithmetic at serving size (256 rows, 8192 tokens, width multiple 128, 50 ms a
+graph) and what a memory budget buys read as a width ceiling (256 rows, 32 heads, fp32 scores).
+
+    python days/day55/warmbench.py            # writes the three CSVs next to this file
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.course import write_csv
+from nanoserve.engine import Engine
+from nanoserve.model import Llama, LlamaConfig
+from nanoserve.sampling import SamplingParams
+from nanoserve.warmup import lazy_captures, stall_seconds, warm_shapes, warmup_seconds, width_ceiling
+
+HERE = Path(__file__).resolve().parent
+TINY = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+
+
+def tiny_model(seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(TINY)
+    for p in model.parameters():
+        p.normal_(0, 0.05)
+    return model
+
+
+def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple=32):
+    """(cold captures, warm graphs, warm seconds, tokens) for `rows` requests off one prompt."""
+    per_block = TINY.kv_bytes_per_token(torch.float32) * 16
+    config = EngineConfig(
+        max_batch=rows,
+        max_model_len=prompt_len + generated,
+        kv_budget=per_block * 64,
+        width_multiple=width_multiple,
+        bucket_decode=True,
+        persist_inputs=True,
+        capture_decode=True,
+    )
+    eng = Engine(model, None, config)
+    report = eng.warm_decode() if warm else None
+    prompt = list(range(1, prompt_len + 1))
+    outs = eng.generate(
+        [prompt] * rows, SamplingParams(max_tokens=generated, ignore_eos=True), use_tqdm=False
+    )
+    tokens = [o.token_ids for o in outs]
+    return (
+        eng.runner.cold_captures,
+        (report.graphs if report else 0),
+        (report.seconds if report else 0.0),
+        tokens,
+    )
+
+
+def cold_table(lengths=(8, 32, 64, 128)) -> list[dict]:
+    model = tiny_model()
+    rows = []
+    for n in lengths:
+        cold_lazy, _, _, lazy_tokens = run(model, n, warm=False)
+        cold_warm, graphs, seconds, warm_tokens = run(model, n, warm=True)
+        assert lazy_tokens == warm_tokens, "warming changed the tokens"
+        rows.append(
+            {
+                "generated": n,
+                "cold_lazy": cold_lazy,
+                "predicted": lazy_captures(n, 32, prompt_len=16),
+                "cold_warmed": cold_warm,
+                "warm_graphs": graphs,
+                "warm_ms": round(seconds * 1000, 1),
+            }
+        )
+    return rows
+
+
+def pricing_table(per_graph=0.05) -> list[dict]:
+    serving = dict(max_batch=256, max_model_len=8192, width_multiple=128)
+    full = warmup_seconds(warm_shapes(**serving), per_graph)
+    rows8 = warmup_seconds(warm_shapes(**serving, max_rows=8), per_graph)
+    rows8_ctx = warmup_seconds(warm_shapes(**serving, max_rows=8, max_width=2048), per_graph)
+    return [
+        {
+            "generated": n,
+            "lazy_graphs": lazy_captures(n, 128),
+            "stall_s": f"{stall_seconds(n, 128, per_graph):.2f}",
+            "warm_full_s": f"{full:.2f}",
+            "warm_rows8_s": f"{rows8:.2f}",
+            "warm_rows8_ctx2048_s": f"{rows8_ctx:.2f}",
+        }
+        for n in (128, 512, 2048, 8192)
+    ]
+
+
+def budget_table() -> list[dict]:
+    out = []
+    for mb in (64, 268, 1000):
+        ceiling = width_ceiling(mb * 1_000_000, rows=256, heads=32)
+        fits = len(warm_shapes(256, 8192, 128, max_width=ceiling))
+        out.append(
+            {"budget_mb": mb, "widest_capture": min(ceiling, 8192), "shapes_that_fit": fits, "of": 576}
+        )
+    return out
+
+
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
+    t0 = time.perf_counter()
+    tables = {
+        "day-55-warmbench.csv": cold_table(),
+        "day-55-pricing.csv": pricing_table(),
+        "day-55-budget.csv": budget_table(),
+    }
+    for name, rows in tables.items():
+        write_csv(rows, HERE / name)
+        print(name)
+        for row in rows:
+            print("  ", row)
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
