@@ -95,6 +95,33 @@ class HostGraph:
         return out
 
 
+class CudaGraph:
+    """`torch.cuda.CUDAGraph` around one step, with `HostGraph`'s interface. Every capture of a
+    runner shares one memory pool (`pool`, from `torch.cuda.graph_pool_handle()`), so the list
+    costs what its largest member costs when recorded biggest first. Not exercised on CPU: the
+    CUDA tests skip with a reason where no GPU is present."""
+
+    def __init__(self, fn, args, kwargs, graph, output):
+        self.fn, self.args, self.kwargs, self.graph, self.output = fn, args, kwargs, graph, output
+
+    @classmethod
+    def record(cls, fn, *args, pool=None, **kwargs) -> CudaGraph:
+        args, kwargs = freeze(args), freeze(kwargs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # one eager run first: kernels chosen, workspaces allocated
+            fn(*args, **kwargs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn(*args, **kwargs)
+        return cls(fn, args, kwargs, graph, output)
+
+    def replay(self):
+        self.graph.replay()
+        return self.output
+
+
 def check_addresses_stable(inputs, recorded: tuple[int, ...]) -> None:
     """The persistent buffers a graph reads are where they were when it was recorded."""
     from nanoserve.errors import GateError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.capture import HostGraph
+from nanoserve.capture import CudaGraph, HostGraph
 from nanoserve.model import Llama
 from nanoserve.plan import StepPlan, plan_decode, plan_decode_bucketed, plan_prefill
 from nanoserve.scheduler import Batch, Sequence
@@ -34,8 +34,11 @@ class ModelRunner:
         self.model, self.cache, self.block_size = model, cache, block_size
         self.slot_table, self.buckets, self.inputs = slot_table, buckets, inputs
         self.capture = capture
-        self.graphs: dict[tuple[int, int], HostGraph] = {}  # (rows, width) -> recorded decode step
+        self.graphs: dict[
+            tuple[int, int], HostGraph | CudaGraph
+        ] = {}  # (rows, width) -> recorded decode step
         self.cold_captures = 0  # graphs recorded in front of a running request
+        self.graph_pool = None  # CUDA: the memory pool every capture shares
 
     def plan(self, batch: Batch) -> StepPlan:
         device = self.model.device
@@ -81,7 +84,19 @@ class ModelRunner:
         shape = tuple(plan.slot_window.shape)
         graph = self.graphs.get(shape)
         if graph is None:
-            self.graphs[shape] = graph = HostGraph.record(self._forward, plan)
             self.cold_captures += 1
-            return graph.output
+            return self.record(plan).output
         return graph.replay()
+
+    def record(self, plan: StepPlan):
+        """Record the decode step for plan's (rows, width) shape: a CUDA graph on a GPU (all
+        sharing one memory pool), a HostGraph elsewhere."""
+        shape = tuple(plan.slot_window.shape)
+        if self.model.device.type == "cuda":
+            if self.graph_pool is None:
+                self.graph_pool = torch.cuda.graph_pool_handle()
+            graph = CudaGraph.record(self._forward, plan, pool=self.graph_pool)
+        else:
+            graph = HostGraph.record(self._forward, plan)
+        self.graphs[shape] = graph
+        return graph

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 from nanoserve.buckets import bucket_up, row_buckets, width_buckets
-from nanoserve.capture import HostGraph
 from nanoserve.errors import GateError
 from nanoserve.plan import StepPlan
 
@@ -124,7 +123,7 @@ def warm_decode(runner, shapes: list[tuple[int, int]]) -> WarmupReport:
         plan = warmup_plan(shape, runner.slot_table, runner.inputs)
         check_warm_rows_empty(plan)
         check_warm_writes_sink(plan, runner.slot_table.sink_slot)
-        runner.graphs[shape] = HostGraph.record(runner._forward, plan)
+        runner.record(plan)
         report.shapes.append(shape)
     report.seconds = time.perf_counter() - t0
     return report
@@ -159,3 +158,36 @@ def check_no_cold_captures(cold_captures: int) -> None:
     """After warming, no step recorded a graph in front of a client."""
     if cold_captures:
         raise GateError(f"{cold_captures} graphs were recorded mid-run after warming")
+
+
+def check_table_stable(slot_table, address: int) -> None:
+    """The slot table is where the graphs were recorded against: `SlotTable.to` reallocates, and
+    every window a graph holds would then read the old storage."""
+    if slot_table.address != address:
+        raise GateError(
+            f"the slot table moved from {address:#x} to {slot_table.address:#x} after recording; "
+            "every captured window reads the old storage"
+        )
+
+
+def check_warm_touches_nothing(before: list, after: list, sink_slot: int) -> None:
+    """A warm-up changes no pool entry but the sink: `before`/`after` are per-layer K (or V)
+    pools, (num_slots + 1, kv_heads, head_dim), copied around the warm-up."""
+    for layer, (a, b) in enumerate(zip(before, after)):
+        changed = (a[:sink_slot] != b[:sink_slot]).flatten(1).any(1).nonzero().flatten().tolist()
+        if changed:
+            raise GateError(f"the warm-up wrote to real slots {changed[:5]} of layer {layer}")
+
+
+def check_all_warm(shapes: list[tuple[int, int]], graphs: dict) -> None:
+    """Every shape in the warm list has its graph."""
+    missing = [s for s in shapes if s not in graphs]
+    if missing:
+        raise GateError(f"{len(missing)} shapes of the warm list have no graph, e.g. {missing[:3]}")
+
+
+def check_warm_budget(shapes: list[tuple[int, int]], budget_bytes: int, heads: int, bytes_per_score: int = 4):
+    """No shape in the list needs more score memory than the budget (rows x heads x width)."""
+    over = [(r, w) for r, w in shapes if r * heads * w * bytes_per_score > budget_bytes]
+    if over:
+        raise GateError(f"{len(over)} warm shapes exceed the {budget_bytes:,}-byte budget, e.g. {over[:3]}")

@@ -187,3 +187,67 @@ def test_warm_gates_fail_on_wrongly_built_inputs(tiny_model):  # noqa: F811
         check_warm_graphs_unbound(eng.runner.graphs)
     with pytest.raises(GateError, match="recorded mid-run"):
         check_no_cold_captures(eng.runner.cold_captures)
+
+
+def test_table_budget_and_coverage_gates(tiny_model):  # noqa: F811
+    from nanoserve.errors import GateError
+    from nanoserve.warmup import (
+        check_all_warm,
+        check_table_stable,
+        check_warm_budget,
+        check_warm_touches_nothing,
+        warm_shapes,
+        width_ceiling,
+    )
+
+    eng = engine(tiny_model, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=64)
+    eng.add_request([1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=3))
+    eng.step()  # real K/V in the pool before the warm-up
+    address = eng.runner.slot_table.address
+    before = [k.clone() for k in eng.cache.k]
+    eng.warm_decode()
+    check_warm_touches_nothing(before, eng.cache.k, eng.pool.sink_slot)
+    check_table_stable(eng.runner.slot_table, address)
+    shapes = warm_shapes(8, 64, 16)
+    check_all_warm(shapes, eng.runner.graphs)
+    check_warm_budget(shapes, budget_bytes=8 * 4 * 64 * 4, heads=4)
+    # and each fails on a wrongly built input
+    with torch.inference_mode():  # the pools are inference tensors
+        eng.cache.k[0][0, 0, 0] += 1.0
+    with pytest.raises(GateError, match=r"real slots \[0\]"):
+        check_warm_touches_nothing(before, eng.cache.k, eng.pool.sink_slot)
+    eng.runner.slot_table.to("cpu")
+    with pytest.raises(GateError, match="slot table moved"):
+        check_table_stable(eng.runner.slot_table, address)
+    with pytest.raises(GateError, match="no graph"):
+        check_all_warm(shapes + [(16, 64)], eng.runner.graphs)
+    ceiling = width_ceiling(8 * 4 * 32 * 4, rows=8, heads=4)
+    assert ceiling == 32
+    with pytest.raises(GateError, match="exceed"):
+        check_warm_budget(shapes, budget_bytes=8 * 4 * 32 * 4, heads=4)
+    check_warm_budget(warm_shapes(8, 64, 16, max_width=ceiling), budget_bytes=8 * 4 * 32 * 4, heads=4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CudaGraph needs a CUDA device; this machine has none"
+)
+def test_cuda_graphs_give_eager_tokens(tiny_model):  # noqa: F811
+    from nanoserve.capture import CudaGraph
+    from nanoserve.model import Llama
+    from nanoserve.warmup import check_no_cold_captures
+
+    gpu = Llama(tiny_model.cfg, device="cuda")
+    gpu.load_state_dict(tiny_model.state_dict())
+    reqs = random_requests(12, tiny_model.cfg.vocab_size, seed=17, max_tokens=(4, 30))
+    eager = [greedy_tokens(gpu, p, n) for p, n in reqs]
+    lazy = engine(gpu, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=128)
+    warm = engine(gpu, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=128)
+    warm.warm_decode()
+    assert all(isinstance(g, CudaGraph) for g in warm.runner.graphs.values())
+    ties = []
+    for e in (lazy, warm):
+        for (prompt, _), ref, got in zip(reqs, eager, run_all(e, reqs, stagger=2)):
+            check_same_or_near_tie(gpu, prompt, ref, got, ties)
+    check_no_cold_captures(warm.runner.cold_captures)
+    assert all(not g.args[0].rows for g in warm.runner.graphs.values())  # warm graphs froze no rows
