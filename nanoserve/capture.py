@@ -147,3 +147,21 @@ def check_replay_rows(graph: HostGraph, plan) -> None:
             f"this graph froze rows {frozen} at recording; replaying it for {now} "
             "replays another batch's plan"
         )
+
+
+def pool_sharing_ratio(member_bytes: list[int]) -> float:
+    """What separate pools would cost over what one shared pool costs. A shared pool is as large
+    as its largest member (captures replay one at a time), so the ratio is sum / max: 576
+    captures of similar size share at close to 576x, a list dominated by one shape near 1x."""
+    return sum(member_bytes) / max(member_bytes) if member_bytes else 1.0
+
+
+def check_pool_budget(pool_bytes: int, budget_bytes: int) -> None:
+    """The graphs' shared pool fits in what is left after the weights and the KV pool."""
+    from nanoserve.errors import GateError
+
+    if pool_bytes > budget_bytes:
+        raise GateError(
+            f"the graph pool needs {pool_bytes:,} bytes but only {budget_bytes:,} are free; "
+            "trim the warm list's widest shape (warm_shapes(max_width=width_ceiling(...)))"
+        )

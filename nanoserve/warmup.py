@@ -113,6 +113,27 @@ def warmup_plan(shape: tuple[int, int], slot_table, inputs) -> StepPlan:
     )
 
 
+def warmup_batch(shape: tuple[int, int], slot_table, inputs, cache):
+    """A warm plan and the cache bound to it: the step a graph is recorded from. Its made-up
+    tokens are the buffers' padding (token 0 at position 0); its rows are the empty tuple."""
+    plan = warmup_plan(shape, slot_table, inputs)
+    return plan, cache.view(plan)
+
+
+def warm_budget_bytes(device="cpu", reserve_bytes: int = 0) -> int:
+    """Memory free for the graphs' pool, probed after the weights and the KV pool are resident:
+    free device memory on CUDA, available host memory elsewhere, less a reserve."""
+    import os
+
+    import torch
+
+    if str(device).startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(0, free - reserve_bytes)
+
+
 def warm_decode(runner, shapes: list[tuple[int, int]]) -> WarmupReport:
     """Record a graph for every shape not yet recorded, from warm plans, biggest first."""
     report = WarmupReport()

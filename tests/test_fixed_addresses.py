@@ -251,3 +251,15 @@ def test_cuda_graphs_give_eager_tokens(tiny_model):  # noqa: F811
             check_same_or_near_tie(gpu, prompt, ref, got, ties)
     check_no_cold_captures(warm.runner.cold_captures)
     assert all(not g.args[0].rows for g in warm.runner.graphs.values())  # warm graphs froze no rows
+
+
+def test_warmup_batch_attends_to_nothing(tiny_model):  # noqa: F811
+    from nanoserve.warmup import warmup_batch
+
+    eng = engine(tiny_model, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=64)
+    eng.cache.ensure_pools()
+    plan, rows = warmup_batch((4, 32), eng.runner.slot_table, eng.runner.inputs, eng.cache)
+    assert rows.plan is plan and plan.rows == ()
+    cfg = tiny_model.cfg
+    out = rows.attention(0, torch.randn(4, cfg.num_heads, cfg.head_dim))
+    assert out.shape == (4, cfg.num_heads, cfg.head_dim) and (out == 0).all()

@@ -64,3 +64,22 @@ def test_budget_as_a_width_ceiling(budget_mb, widest, shapes):
     ceiling = width_ceiling(budget_mb * 1_000_000, rows=256, heads=32)
     assert ceiling == widest
     assert len(warm_shapes(**SERVING, max_width=ceiling)) == shapes
+
+
+def test_pool_sharing_ratio_and_pool_budget():
+    from nanoserve.capture import check_pool_budget, pool_sharing_ratio
+    from nanoserve.errors import GateError
+
+    sizes = [r * 32 * w * 4 for r, w in warm_shapes(**SERVING)]
+    assert pool_sharing_ratio(sizes) == pytest.approx(sum(sizes) / max(sizes))
+    assert pool_sharing_ratio([5]) == 1.0 and pool_sharing_ratio([]) == 1.0
+    check_pool_budget(max(sizes), max(sizes))
+    with pytest.raises(GateError, match="graph pool needs"):
+        check_pool_budget(max(sizes), max(sizes) - 1)
+
+
+def test_warm_budget_bytes_probes_free_memory():
+    from nanoserve.warmup import warm_budget_bytes
+
+    free = warm_budget_bytes("cpu")
+    assert 0 < free and warm_budget_bytes("cpu", reserve_bytes=free * 2) == 0
