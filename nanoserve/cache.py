@@ -99,6 +99,11 @@ class BatchedPagedKVCache:
         return out
 
     def view(self, plan) -> BatchedCacheRows:
+        """Bind a plan. `write` and `paged_attention` read the rows a plan addresses, which for a
+        warm plan (day 55) is none, all padding; a plan with no tokens at all is a forward with
+        nothing in it, and is refused."""
+        if plan.num_tokens == 0:
+            raise ValueError("a step over no tokens at all has nothing to compute; schedule something first")
         return BatchedCacheRows(self, plan)
 
 

@@ -52,6 +52,8 @@ def slot_window(block_lists: list[list[int]], block_size: int, device) -> torch.
 
 def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
     """chunks: (seq, start, end) with seq.token_ids and seq.block_table.blocks covering end."""
+    if not chunks:
+        raise ValueError("a prefill plan needs at least one chunk")
     ids, pos, slots, spans, ctx, last = [], [], [], [], [], []
     for seq, start, end in chunks:
         table = seq.block_table
@@ -76,6 +78,8 @@ def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
 
 def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
     """One token per row: each sequence's newest token at position len - 1."""
+    if not seqs:
+        raise ValueError("a decode plan needs at least one sequence")
     ids = [s.token_ids[-1] for s in seqs]
     pos = [len(s.token_ids) - 1 for s in seqs]
     slots = [s.block_table.slot(p) for s, p in zip(seqs, pos)]
@@ -103,6 +107,8 @@ def plan_decode_bucketed(
     to the sink slot. With `inputs` (`PersistentInputs`, day 53) the four per-row tensors are
     views on buffers written in place; without, they are new tensors, as in `plan_decode`.
     """
+    if not seqs:
+        raise ValueError("a decode plan needs at least one sequence; a warm-up uses warmup.warmup_plan")
     row_set, width_set = buckets
     n = len(seqs)
     pos = [len(s.token_ids) - 1 for s in seqs]

@@ -150,8 +150,15 @@ def test_warmed_decode_gives_eager_tokens_with_no_cold_captures(tiny_model):  # 
         return execute(plan)
 
     eng.runner.execute = watched
+    warm_logits = record_logits(eng)
+    persistent = engine(tiny_model, bucket_decode=True, persist_inputs=True, max_model_len=128)
+    persistent_logits = record_logits(persistent)
+    warmed_tokens = run_all(eng, reqs, stagger=2)
+    assert warmed_tokens == run_all(persistent, reqs, stagger=2)
+    assert len(warm_logits) == len(persistent_logits)
+    assert all(torch.equal(a, b) for a, b in zip(warm_logits, persistent_logits))  # bit for bit
     ties = []
-    for (prompt, _), ref, got in zip(reqs, eager, run_all(eng, reqs, stagger=2)):
+    for (prompt, _), ref, got in zip(reqs, eager, warmed_tokens):
         check_same_or_near_tie(tiny_model, prompt, ref, got, ties)
     check_no_cold_captures(eng.runner.cold_captures)
     assert replays and eng.runner.slot_table.num_live == 0
@@ -263,3 +270,23 @@ def test_warmup_batch_attends_to_nothing(tiny_model):  # noqa: F811
     cfg = tiny_model.cfg
     out = rows.attention(0, torch.randn(4, cfg.num_heads, cfg.head_dim))
     assert out.shape == (4, cfg.num_heads, cfg.head_dim) and (out == 0).all()
+
+
+def test_an_empty_selection_is_refused_outside_the_warm_up(tiny_model):  # noqa: F811
+    from nanoserve.plan import plan_decode, plan_decode_bucketed, plan_prefill
+    from nanoserve.warmup import warmup_plan
+
+    eng = engine(tiny_model, bucket_decode=True, persist_inputs=True, max_model_len=64)
+    runner = eng.runner
+    with pytest.raises(ValueError, match="at least one sequence"):
+        plan_decode([], 4)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        plan_decode_bucketed([], runner.slot_table, runner.buckets, runner.inputs)
+    with pytest.raises(ValueError, match="at least one chunk"):
+        plan_prefill([], 4)
+    warm = warmup_plan((2, 16), runner.slot_table, runner.inputs)  # no rows, all padding: legal
+    assert eng.cache.view(warm).plan is warm
+    empty = warmup_plan((2, 16), runner.slot_table, runner.inputs)
+    empty.input_ids = empty.input_ids[:0]
+    with pytest.raises(ValueError, match="no tokens at all"):
+        eng.cache.view(empty)
