@@ -16,6 +16,8 @@ harmless (context_lens 0, K/V written to the sink slot) lives with the plan that
 
 from __future__ import annotations
 
+from nanoserve.errors import GateError
+
 
 def row_buckets(max_batch: int) -> tuple[int, ...]:
     """Powers of two up to max_batch, plus max_batch itself when it is not one."""
@@ -61,8 +63,6 @@ def bucket_shape(
 def check_pad_inert(plan, sink_slot: int) -> None:
     """Padded rows touch nothing: every row past the plan's real rows has context_lens 0 and
     writes to the sink, and no real row writes to the sink. Passes vacuously on no rows."""
-    from nanoserve.errors import GateError
-
     n = len(plan.rows)
     ctx, writes = plan.context_lens.tolist(), plan.write_slots.tolist()
     for r in range(n, len(ctx)):

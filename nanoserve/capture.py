@@ -27,56 +27,45 @@ import dataclasses
 
 import torch
 
+from nanoserve.errors import GateError
+
 
 class ReplayError(RuntimeError):
     """A bound tensor's storage moved since recording: a real graph would read freed memory."""
 
 
-def freeze(value):
-    """Tensors by identity; containers and dataclasses rebuilt around frozen members; the rest
-    deep-copied, so later mutation cannot reach the recorded call."""
+def freeze(value, bound: list | None = None):
+    """Tensors by identity (and appended to `bound`, the ones a replay reads by address);
+    containers and dataclasses rebuilt around frozen members; the rest deep-copied, so later
+    mutation cannot reach the recorded call."""
     if isinstance(value, torch.Tensor):
+        if bound is not None:
+            bound.append(value)
         return value
     if isinstance(value, (list, tuple)):
-        items = [freeze(v) for v in value]
+        items = [freeze(v, bound) for v in value]
         return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
     if isinstance(value, dict):
-        return {k: freeze(v) for k, v in value.items()}
+        return {k: freeze(v, bound) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         clone = copy.copy(value)
         for f in dataclasses.fields(value):
-            object.__setattr__(clone, f.name, freeze(getattr(value, f.name)))
+            object.__setattr__(clone, f.name, freeze(getattr(value, f.name), bound))
         return clone
     return copy.deepcopy(value)
 
 
-def bound_tensors(value, found=None) -> list[torch.Tensor]:
-    """Every tensor reachable from a frozen argument (the ones a replay reads by address)."""
-    found = [] if found is None else found
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            bound_tensors(v, found)
-    elif isinstance(value, dict):
-        for v in value.values():
-            bound_tensors(v, found)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            bound_tensors(getattr(value, f.name), found)
-    return found
-
-
 class HostGraph:
-    def __init__(self, fn, args, kwargs, output):
+    def __init__(self, fn, args, kwargs, output, bound: list[torch.Tensor]):
         self.fn, self.args, self.kwargs, self.output = fn, args, kwargs, output
-        self.bound = bound_tensors((args, kwargs))
-        self.addresses = [t.data_ptr() for t in self.bound]
+        self.bound = bound
+        self.addresses = [t.data_ptr() for t in bound]
 
     @classmethod
     def record(cls, fn, *args, **kwargs) -> HostGraph:
-        args, kwargs = freeze(args), freeze(kwargs)
-        return cls(fn, args, kwargs, fn(*args, **kwargs))
+        bound: list[torch.Tensor] = []
+        args, kwargs = freeze(args, bound), freeze(kwargs, bound)
+        return cls(fn, args, kwargs, fn(*args, **kwargs), bound)
 
     def check_addresses(self) -> None:
         for t, addr in zip(self.bound, self.addresses):
@@ -124,8 +113,6 @@ class CudaGraph:
 
 def check_addresses_stable(inputs, recorded: tuple[int, ...]) -> None:
     """The persistent buffers a graph reads are where they were when it was recorded."""
-    from nanoserve.errors import GateError
-
     now = inputs.addresses
     if now != tuple(recorded):
         moved = [i for i, (a, b) in enumerate(zip(now, recorded)) if a != b]
@@ -134,11 +121,9 @@ def check_addresses_stable(inputs, recorded: tuple[int, ...]) -> None:
         )
 
 
-def check_replay_rows(graph: HostGraph, plan) -> None:
+def check_replay_rows(graph: HostGraph | CudaGraph, plan) -> None:
     """A graph's frozen row tuple is empty (recorded on a warm batch) or this step's rows: a
     mid-run capture replayed over another set of sequences has frozen the wrong ones."""
-    from nanoserve.errors import GateError
-
     name = lambda s: getattr(s, "request_id", s)  # noqa: E731  (frozen rows are copies: compare names)
     frozen = [name(s) for s in (graph.args[0].rows if graph.args else ())]
     now = [name(s) for s in plan.rows]
@@ -158,8 +143,6 @@ def pool_sharing_ratio(member_bytes: list[int]) -> float:
 
 def check_pool_budget(pool_bytes: int, budget_bytes: int) -> None:
     """The graphs' shared pool fits in what is left after the weights and the KV pool."""
-    from nanoserve.errors import GateError
-
     if pool_bytes > budget_bytes:
         raise GateError(
             f"the graph pool needs {pool_bytes:,} bytes but only {budget_bytes:,} are free; "

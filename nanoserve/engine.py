@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,7 +66,6 @@ class _Request:
     detok: object | None
     stops: StopStrings
     text: str = ""
-    pending: list[int] = field(default_factory=list)
 
 
 class Engine:

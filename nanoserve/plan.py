@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.buckets import bucket_up
+from nanoserve.errors import GateError
+
 
 @dataclass
 class StepPlan:
@@ -76,13 +79,18 @@ def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
     )
 
 
-def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
-    """One token per row: each sequence's newest token at position len - 1."""
+def _decode_rows(seqs) -> tuple[list[int], list[int], list[int]]:
+    """Each row's newest token, its position (len - 1) and the slot its K/V goes to."""
     if not seqs:
-        raise ValueError("a decode plan needs at least one sequence")
+        raise ValueError("a decode plan needs at least one sequence; a warm-up uses warmup.warmup_plan")
     ids = [s.token_ids[-1] for s in seqs]
     pos = [len(s.token_ids) - 1 for s in seqs]
-    slots = [s.block_table.slot(p) for s, p in zip(seqs, pos)]
+    return ids, pos, [s.block_table.slot(p) for s, p in zip(seqs, pos)]
+
+
+def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
+    """One token per row: each sequence's newest token at position len - 1."""
+    ids, pos, slots = _decode_rows(seqs)
     n = len(seqs)
     return StepPlan(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
@@ -107,16 +115,11 @@ def plan_decode_bucketed(
     to the sink slot. With `inputs` (`PersistentInputs`, day 53) the four per-row tensors are
     views on buffers written in place; without, they are new tensors, as in `plan_decode`.
     """
-    if not seqs:
-        raise ValueError("a decode plan needs at least one sequence; a warm-up uses warmup.warmup_plan")
+    ids, pos, slots = _decode_rows(seqs)
     row_set, width_set = buckets
     n = len(seqs)
-    pos = [len(s.token_ids) - 1 for s in seqs]
     ctx = [p + 1 for p in pos]
-    rows = next(r for r in row_set if r >= n)
-    width = next(w for w in width_set if w >= max(ctx, default=1))
-    ids = [s.token_ids[-1] for s in seqs]
-    slots = [s.block_table.slot(p) for s, p in zip(seqs, pos)]
+    rows, width = bucket_up(n, row_set), bucket_up(max(ctx), width_set)
     if inputs is not None:
         input_ids, positions, write_slots, context_lens, logits_at = inputs.write(ids, pos, slots, ctx, rows)
     else:
@@ -143,8 +146,6 @@ def plan_decode_bucketed(
 def check_mapping_is_window(plan: StepPlan, slot_table) -> None:
     """The plan's slot window is a view on the slot table (same storage, rows from row 0), and
     its real rows are the table's live prefix in order."""
-    from nanoserve.errors import GateError
-
     w, t = plan.slot_window, slot_table.table
     if w.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() or w.data_ptr() != t.data_ptr():
         raise GateError("the slot window is not a view on the slot table's storage from row 0")
@@ -157,8 +158,6 @@ def check_mapping_is_window(plan: StepPlan, slot_table) -> None:
 
 def check_window_intact(plan: StepPlan) -> None:
     """Each real row's window holds its sequence's slots for every position it attends to."""
-    from nanoserve.errors import GateError
-
     ctx = plan.context_lens.tolist()
     for r, seq in enumerate(plan.rows):
         want = seq.block_table.slots(0, ctx[r])
@@ -173,8 +172,6 @@ def check_window_intact(plan: StepPlan) -> None:
 def check_plan_addressing(plan: StepPlan) -> None:
     """Each real row writes its new K/V where its window says its position lives, and attends
     over exactly the positions up to and including it."""
-    from nanoserve.errors import GateError
-
     pos, ctx, writes = plan.positions.tolist(), plan.context_lens.tolist(), plan.write_slots.tolist()
     for r in range(len(plan.rows)):
         if ctx[r] != pos[r] + 1:

@@ -34,9 +34,7 @@ class ModelRunner:
         self.model, self.cache, self.block_size = model, cache, block_size
         self.slot_table, self.buckets, self.inputs = slot_table, buckets, inputs
         self.capture = capture
-        self.graphs: dict[
-            tuple[int, int], HostGraph | CudaGraph
-        ] = {}  # (rows, width) -> recorded decode step
+        self.graphs: dict[tuple[int, int], HostGraph | CudaGraph] = {}  # (rows, width) -> graph
         self.cold_captures = 0  # graphs recorded in front of a running request
         self.graph_pool = None  # CUDA: the memory pool every capture shares
 

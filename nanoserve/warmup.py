@@ -29,6 +29,11 @@ from nanoserve.errors import GateError
 from nanoserve.plan import StepPlan
 
 
+def biggest_first(shapes) -> list[tuple[int, int]]:
+    """Shapes by rows x width, largest first (ties: more rows first)."""
+    return sorted(shapes, key=lambda s: (s[0] * s[1], s[0]), reverse=True)
+
+
 def warm_shapes(
     max_batch: int,
     max_model_len: int,
@@ -41,7 +46,7 @@ def warm_shapes(
     allocates the arena once at its final size."""
     rows = [r for r in row_buckets(max_batch) if max_rows is None or r <= max_rows]
     widths = [w for w in width_buckets(max_model_len, width_multiple) if max_width is None or w <= max_width]
-    return sorted(((r, w) for r in rows for w in widths), key=lambda s: (s[0] * s[1], s[0]), reverse=True)
+    return biggest_first((r, w) for r in rows for w in widths)
 
 
 def lazy_captures(
@@ -138,7 +143,7 @@ def warm_decode(runner, shapes: list[tuple[int, int]]) -> WarmupReport:
     """Record a graph for every shape not yet recorded, from warm plans, biggest first."""
     report = WarmupReport()
     t0 = time.perf_counter()
-    for shape in sorted(shapes, key=lambda s: (s[0] * s[1], s[0]), reverse=True):
+    for shape in biggest_first(shapes):
         if shape in runner.graphs:
             continue
         plan = warmup_plan(shape, runner.slot_table, runner.inputs)
