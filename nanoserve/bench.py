@@ -7,6 +7,11 @@
                 nanoserve's continuous batching against transformers' `generate` in static,
                 left-padded batches that each run until their longest output. Useful tokens are
                 the requested outputs only.
+    serve       the HTTP server under load (`nanoserve.loadgen`: N concurrent streaming clients):
+                TTFT, ITL and TPOT at p50/p99, tokens/s, requests/s and incomplete requests, for
+                the captured-and-warmed server against an eager (--no-capture) one; then a
+                warmed server against a lazily capturing one on a fresh start: the first
+                request's TTFT and the stall over one long generation.
 
 Machines are shared and noisy, so no absolute number here is a promise; the ratio, measured
 in one run, is the figure to quote. Each benchmark ends with one machine-readable line.
@@ -252,6 +257,115 @@ def cmd_decode(args) -> None:
     finish("decode", rows, args.csv)
 
 
+class ServerProcess:
+    """`nanoserve serve` in a child process, waited on until /health says 200."""
+
+    def __init__(self, args: list[str], port: int, threads: int | None = None):
+        import subprocess
+
+        cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--port", str(port), *args]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        self.boot = ""
+
+    def __enter__(self):
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stderr.read()[-2000:]}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    self.health = r.json()
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("the server did not become healthy in 600 s")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except Exception:
+            self.proc.kill()
+            err = ""
+        self.boot = next((ln for ln in (err or "").splitlines() if "listening on" in ln), "")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cmd_serve(args) -> None:
+    import asyncio
+
+    from nanoserve.loadgen import LoadRequest, chat_workload, run_load, stall_seconds_observed, summarize
+
+    common = ["--max-batch", str(args.max_batch)] + (["--model", args.model] if args.model else [])
+    reqs = chat_workload(args.requests, args.max_tokens)
+    print(
+        f"{args.requests} streaming chat requests of {args.max_tokens} tokens (ignore_eos, greedy), "
+        f"{args.clients} concurrent clients, server max_batch {args.max_batch}"
+    )
+    rows = []
+    for name, flags in (("captured+warm", []), ("eager", ["--no-capture"])):
+        with ServerProcess(common + flags, _free_port(), args.threads) as srv:
+            asyncio.run(run_load(srv.url, reqs[: args.clients], args.clients))  # one round to settle
+            row = {"server": name} | summarize(asyncio.run(run_load(srv.url, reqs, args.clients)))
+        rows.append(row)
+        print(
+            f"{name:>14}: {row['output_tok_s']:6.1f} tok/s  {row['req_s']:.2f} req/s  "
+            f"TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms  "
+            f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
+            f"TPOT p50 {row['tpot_p50_ms']:.1f} ms p99 {row['tpot_p99_ms']:.1f} ms  "
+            f"incomplete {row['incomplete']}"
+        )
+    print(f"captured+warm / eager throughput: {rows[0]['output_tok_s'] / rows[1]['output_tok_s']:.2f}x")
+
+    # warm against lazy, each on a fresh server: the first request after boot, one long generation
+    long = [LoadRequest([{"role": "user", "content": "Tell me a long story about a lighthouse."}], args.long)]
+    width = str(max(256, args.long + 64))
+    stalls = []
+    for name, flags in (("warm", ["--warm-max-width", width]), ("lazy", ["--no-warm"])):
+        with ServerProcess(common + ["--max-batch", "1"] + flags, _free_port(), args.threads) as srv:
+            res = asyncio.run(run_load(srv.url, long, 1)).results[0]
+            warm = srv.health.get("warm") or {}
+        row = {
+            "server": name,
+            "warm_graphs": warm.get("graphs", 0),
+            "warm_seconds": warm.get("seconds", 0.0),
+            "first_ttft_ms": round(1000 * res.ttft, 1) if res.ttft is not None else None,
+            "stall_ms": round(1000 * stall_seconds_observed(res.itls), 1),
+            "itl_max_ms": round(1000 * max(res.itls), 1) if res.itls else None,
+            "tokens": res.tokens,
+            "complete": res.complete,
+        }
+        stalls.append(row)
+        print(
+            f"{name:>5}: warm list {row['warm_graphs']} graphs in {row['warm_seconds']:.2f} s; "
+            f"first request: TTFT {row['first_ttft_ms']} ms, {row['tokens']} tokens, "
+            f"stall {row['stall_ms']} ms (worst gap {row['itl_max_ms']} ms)"
+        )
+    if args.csv:
+        write_csv(rows, args.csv)
+        write_csv(stalls, Path(args.csv).with_name(Path(args.csv).stem + "-warm.csv"))
+    print(
+        f"RESULT serve captured={rows[0]['output_tok_s']}/eager={rows[1]['output_tok_s']} "
+        f"incomplete={rows[0]['incomplete'] + rows[1]['incomplete']} "
+        f"first_ttft_ms warm={stalls[0]['first_ttft_ms']} lazy={stalls[1]['first_ttft_ms']} "
+        f"stall_ms warm={stalls[0]['stall_ms']} lazy={stalls[1]['stall_ms']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -273,11 +387,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None)
+    p = sub.add_parser("serve", help="the HTTP server under concurrent streaming load; warm against lazy")
+    p.add_argument("--model", default=None)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--long", type=int, default=512, help="tokens of the warm-vs-lazy long generation")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--csv", default=None, help="write the load rows here and the warm rows next to it")
     args = parser.parse_args(argv)
     from nanoserve.errors import NanoserveError
 
     try:
-        {"decode": cmd_decode, "throughput": cmd_throughput}[args.bench](args)
+        {"decode": cmd_decode, "throughput": cmd_throughput, "serve": cmd_serve}[args.bench](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 1

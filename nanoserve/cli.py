@@ -1,4 +1,4 @@
-"""The `nanoserve` command: fetch-model, import-gguf, generate, chat, bench.
+"""The `nanoserve` command: serve, fetch-model, import-gguf, generate, chat, bench.
 
 Every command takes `--model DIR` (any Hugging Face Llama-family directory: config.json,
 safetensors, tokenizer.json); without it the default model is fetched and converted once.
@@ -66,6 +66,61 @@ def build_parser() -> Parser:
     p.add_argument("--system", default=None, help="a system message")
     add_model_args(p)
     add_sampling_args(p)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve the model over an OpenAI-compatible HTTP API (POST /v1/completions, "
+        "POST /v1/chat/completions, GET /v1/models, /health, /metrics). The engine is built, its KV "
+        "pool planned and its decode graphs recorded (the warm list) before generation requests are "
+        "accepted; /health answers 503 until then.",
+    )
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $NANOSERVE_API_KEY, else none)",
+    )
+    p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (default: 32)")
+    p.add_argument(
+        "--kv-budget",
+        default=None,
+        help="memory for the KV pool, e.g. 512MiB or 2GB (default: 512MiB on CPU)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument(
+        "--no-capture",
+        action="store_true",
+        help="decode eagerly: no buckets, no persistent inputs, no recorded graphs (days 51-55 off)",
+    )
+    p.add_argument(
+        "--no-warm",
+        action="store_true",
+        help="record decode graphs lazily, on each shape's first step, instead of before serving",
+    )
+    p.add_argument(
+        "--warm-max-rows",
+        type=int,
+        default=None,
+        help="warm only row buckets up to this (default: --max-batch)",
+    )
+    p.add_argument(
+        "--warm-max-width",
+        type=int,
+        default=None,
+        help="warm only width buckets up to this many tokens (default: 256 on CPU, where a recording costs "
+        "one step and saves nothing; on CUDA the smaller of --max-model-len and the free memory's width "
+        "ceiling). Wider shapes are recorded on first use.",
+    )
+    p.add_argument("--max-waiting", type=int, default=1024, help="queue length past which requests get 429")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level; info logs every request (default: warning)",
+    )
 
     sub.add_parser("bench", help="benchmarks: see `python -m nanoserve.bench --help`", add_help=False)
     return parser
@@ -191,6 +246,50 @@ def cmd_chat(args) -> None:
         history.append({"role": "assistant", "content": answer})
 
 
+def cmd_serve(args) -> None:
+    import os
+
+    import torch
+
+    from nanoserve.config import EngineConfig
+    from nanoserve.pool import parse_bytes
+    from nanoserve.serve import serve
+
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise NanoserveError("--device cuda was asked for, but torch sees no CUDA device here")
+    if not 0 < args.port < 65536:
+        raise NanoserveError(f"--port must be between 1 and 65535, got {args.port}")
+    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    capture = not args.no_capture
+    try:
+        config = EngineConfig(
+            model=args.model,
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+            max_batch=args.max_batch,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            kv_budget=parse_bytes(args.kv_budget) if args.kv_budget else None,
+            threads=args.threads,
+            bucket_decode=capture,
+            persist_inputs=capture,
+            capture_decode=capture,
+            warm=not args.no_warm,
+            warm_max_rows=args.warm_max_rows,
+            warm_max_width=args.warm_max_width or (None if on_cuda else 256),
+        ).validate()
+        serve(
+            config,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
+            max_waiting=args.max_waiting,
+            log_level=args.log_level,
+        )
+    except ValueError as e:
+        raise NanoserveError(str(e)) from None
+
+
 def cmd_fetch_model(args) -> None:
     from nanoserve.weights import fetch_default_model
 
@@ -217,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         "import-gguf": cmd_import_gguf,
         "generate": cmd_generate,
         "chat": cmd_chat,
+        "serve": cmd_serve,
     }
     try:
         commands[args.command](args)

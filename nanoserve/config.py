@@ -27,6 +27,12 @@ class EngineConfig:
     persist_inputs: bool = False
     capture_decode: bool = False  # record one decode graph per (rows, width) shape, replay it after
     width_multiple: int = 32
+    # day 56: with capture_decode, build_engine records the warm list before anything is served;
+    # the list is every (rows, width) bucket trimmed to rows <= warm_max_rows (default max_batch)
+    # and width <= the smallest of max_model_len, warm_max_width and the free memory's width ceiling
+    warm: bool = True
+    warm_max_rows: int | None = None
+    warm_max_width: int | None = None
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
@@ -42,6 +48,9 @@ class EngineConfig:
             )
         if self.width_multiple < 1:
             raise ValueError(f"width_multiple must be at least 1, got {self.width_multiple}")
+        for name in ("warm_max_rows", "warm_max_width"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         return self

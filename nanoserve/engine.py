@@ -107,6 +107,8 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
+        self.warm_report = None  # a WarmupReport once warm_decode has run
+        self.model_name = "model"  # what the server calls it; build_engine uses the directory's name
 
     # --- requests --------------------------------------------------------------------------
 
@@ -215,7 +217,8 @@ class Engine:
 
     def warm_decode(self, max_rows: int | None = None, max_width: int | None = None):
         """Record the decode graphs for every bucket shape (trimmed to max_rows and max_width)
-        before any request arrives; needs capture_decode. Returns a `WarmupReport`."""
+        before any request arrives; needs capture_decode. Returns a `WarmupReport`, also kept as
+        `self.warm_report`."""
         from nanoserve.warmup import warm_decode, warm_shapes
 
         if not self.config.capture_decode:
@@ -224,7 +227,24 @@ class Engine:
             self.config.max_batch, self.max_model_len, self.config.width_multiple, max_rows, max_width
         )
         self.cache.ensure_pools()
-        return warm_decode(self.runner, shapes)
+        report = warm_decode(self.runner, shapes)
+        report.max_rows, report.max_width = max_rows, max_width
+        self.warm_report = report
+        return report
+
+    def warm_trim(self) -> tuple[int, int, int]:
+        """(max_rows, max_width, width ceiling) for the warm list (day 56): rows from the
+        scheduler's max_batch (or warm_max_rows, if smaller); width the smallest of the context
+        this deployment serves, warm_max_width, and the widest shape the memory left after the
+        weights and the KV pool allows (`width_ceiling` of `warm_budget_bytes`)."""
+        from nanoserve.warmup import warm_budget_bytes, width_ceiling
+
+        cfg = self.config
+        max_rows = min(self.scheduler.max_batch, cfg.warm_max_rows or self.scheduler.max_batch)
+        self.cache.ensure_pools()  # the KV pool is resident before free memory is probed
+        ceiling = width_ceiling(warm_budget_bytes(self.model.device), max_rows, self.model.cfg.num_heads)
+        max_width = min(self.max_model_len, ceiling, cfg.warm_max_width or self.max_model_len)
+        return max_rows, max_width, ceiling
 
     # --- offline ---------------------------------------------------------------------------
 
@@ -258,13 +278,19 @@ class Engine:
         return [done[rid] for rid in ids]
 
 
-def build_engine(config: EngineConfig) -> Engine:
-    """Load the model and tokenizer the config names and build an engine around them."""
+def build_engine(config: EngineConfig, on_phase=None) -> Engine:
+    """Load the model and tokenizer the config names, plan the KV pool, build the engine and,
+    with capture_decode and warm on, record the warm list before returning (day 56): whoever
+    gets the engine back gets one that will not record a graph in front of a client for any
+    shape in the list. `on_phase("loading" | "warming")` is told as each stage starts (the
+    server's /health reads it). The pool line and the warm line go to stderr."""
     from nanoserve.model import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import resolve_model_dir
 
+    on_phase = on_phase or (lambda phase: None)
     config.validate()
+    on_phase("loading")
     if config.threads:
         torch.set_num_threads(config.threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -276,5 +302,12 @@ def build_engine(config: EngineConfig) -> Engine:
             f"{model.cfg.max_position_embeddings} tokens"
         )
     engine = Engine(model, Tokenizer.from_dir(model_dir), config)
+    engine.model_name = model_dir.name
     print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
+    if config.capture_decode and config.warm:
+        on_phase("warming")
+        max_rows, max_width, ceiling = engine.warm_trim()
+        report = engine.warm_decode(max_rows, max_width)
+        report.width_ceiling = ceiling
+        print(report.describe(), file=sys.stderr)
     return engine

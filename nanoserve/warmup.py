@@ -90,15 +90,35 @@ def width_ceiling(budget_bytes: int, rows: int, heads: int, bytes_per_score: int
 
 @dataclass
 class WarmupReport:
+    """What a warm-up recorded and what it cost. `bytes` is memory the list holds: on CUDA the
+    growth of the shared graph pool, measured; on CPU the graphs' output buffers (a HostGraph
+    keeps nothing else). `max_rows`, `max_width` and `width_ceiling` say how the list was trimmed
+    (`build_engine` fills them in; None when a caller chose the shapes itself)."""
+
     shapes: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
+    bytes: int = 0
+    max_rows: int | None = None
+    max_width: int | None = None
+    width_ceiling: int | None = None
 
     @property
     def graphs(self) -> int:
         return len(self.shapes)
 
     def describe(self) -> str:
-        return f"warm list: {self.graphs} graphs in {self.seconds:.2f} s"
+        return f"warm list: {self.graphs} graphs in {self.seconds:.2f} s, {self.bytes / 2**20:.1f} MiB"
+
+    def as_dict(self) -> dict:
+        return {
+            "graphs": self.graphs,
+            "seconds": round(self.seconds, 3),
+            "bytes": self.bytes,
+            "max_rows": self.max_rows,
+            "max_width": self.max_width,
+            "width_ceiling": self.width_ceiling,
+            "shapes": [list(s) for s in self.shapes],
+        }
 
 
 def warmup_plan(shape: tuple[int, int], slot_table, inputs) -> StepPlan:
@@ -141,7 +161,11 @@ def warm_budget_bytes(device="cpu", reserve_bytes: int = 0) -> int:
 
 def warm_decode(runner, shapes: list[tuple[int, int]]) -> WarmupReport:
     """Record a graph for every shape not yet recorded, from warm plans, biggest first."""
+    import torch
+
     report = WarmupReport()
+    cuda = runner.model.device.type == "cuda"
+    reserved = torch.cuda.memory_reserved(runner.model.device) if cuda else 0
     t0 = time.perf_counter()
     for shape in biggest_first(shapes):
         if shape in runner.graphs:
@@ -149,8 +173,13 @@ def warm_decode(runner, shapes: list[tuple[int, int]]) -> WarmupReport:
         plan = warmup_plan(shape, runner.slot_table, runner.inputs)
         check_warm_rows_empty(plan)
         check_warm_writes_sink(plan, runner.slot_table.sink_slot)
-        runner.record(plan)
+        graph = runner.record(plan)
         report.shapes.append(shape)
+        if not cuda and isinstance(graph.output, torch.Tensor):
+            report.bytes += graph.output.numel() * graph.output.element_size()
+    if cuda:
+        torch.cuda.synchronize(runner.model.device)
+        report.bytes = torch.cuda.memory_reserved(runner.model.device) - reserved
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -1,0 +1,210 @@
+"""A load generator for the server (day 43): N concurrent streaming clients over a fixed list of
+requests, and what a client sees: time to first token (TTFT), inter-token latency (ITL), time
+per output token (TPOT), throughput, and how many requests did not come back whole.
+
+    reqs = chat_workload(64, max_tokens=32)
+    report = asyncio.run(run_load("http://127.0.0.1:8000", reqs, concurrency=16))
+    print(summarize(report))
+
+Every request streams `/v1/chat/completions` with `ignore_eos` (so it must return exactly
+`max_tokens` tokens), `stream_options.include_usage` (the server's own count) and
+`return_token_ids` (tokens per chunk: a chunk can carry more than one token when a character
+spans tokens). A request is incomplete if it errs, is cut short, or its usage disagrees with
+what it asked for; a healthy run has none.
+
+Timings are taken on the client as chunks arrive: TTFT is the first chunk carrying a token,
+each later chunk's gap is one ITL sample per token it carries, and TPOT is
+(last - first) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+QUESTIONS = [
+    "What is a KV cache?",
+    "Name three planets and one fact about each.",
+    "Explain continuous batching to a new engineer.",
+    "Write a haiku about paged memory.",
+    "Why do GPUs like large batches?",
+    "Give me a recipe for a quick breakfast.",
+    "What is the capital of France, and why is it famous?",
+    "Summarize the plot of a heist movie in three sentences.",
+    "How does a hash table handle collisions?",
+    "List five tips for writing clear documentation.",
+    "What does an operating system scheduler do?",
+    "Describe the water cycle.",
+]
+
+
+@dataclass
+class LoadRequest:
+    messages: list[dict]
+    max_tokens: int
+
+
+@dataclass
+class RequestResult:
+    asked: int
+    tokens: int = 0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    finish_reason: str | None = None
+    usage_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.error is None
+            and self.finish_reason == "length"
+            and self.tokens == self.asked
+            and self.usage_tokens == self.asked
+        )
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.tokens - 1)
+
+
+@dataclass
+class LoadReport:
+    results: list[RequestResult]
+    seconds: float
+    concurrency: int
+
+
+def chat_workload(n: int, max_tokens: int = 32, seed: int = 0, vary: bool = False) -> list[LoadRequest]:
+    """n chat requests cycling through QUESTIONS; with vary, max_tokens is drawn from
+    [max_tokens // 2, max_tokens] (seeded)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        m = rng.randint(max(1, max_tokens // 2), max_tokens) if vary else max_tokens
+        out.append(LoadRequest([{"role": "user", "content": q}], m))
+    return out
+
+
+async def stream_one(client, url: str, req: LoadRequest, headers: dict) -> RequestResult:
+    """One streaming chat request, timed chunk by chunk."""
+    res = RequestResult(asked=req.max_tokens)
+    body = {
+        "messages": req.messages,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    break
+                if chunk.get("usage"):
+                    res.usage_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    n = len(choice.get("token_ids") or [])
+                    now = time.perf_counter()
+                    if n:
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itls.extend([(now - last) / n] * n)
+                        last = now
+                        res.tokens += n
+                    if choice.get("finish_reason"):
+                        res.finish_reason = choice["finish_reason"]
+    except Exception as e:  # a client-side failure counts as an incomplete request, with its reason
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+async def run_load(
+    url: str, reqs: list[LoadRequest], concurrency: int = 16, api_key: str | None = None, timeout: float = 600
+) -> LoadReport:
+    """Send every request, `concurrency` at a time (each client takes the next request when its
+    previous one finishes)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    results: list[RequestResult | None] = [None] * len(reqs)
+    todo = iter(range(len(reqs)))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def worker():
+            for i in todo:
+                results[i] = await stream_one(client, url, reqs[i], headers)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+    return LoadReport(results, seconds, concurrency)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between closest ranks; nan for no values."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(report: LoadReport) -> dict:
+    """The figures a serving benchmark quotes, in milliseconds and per second."""
+    rs = report.results
+    ttft = [r.ttft for r in rs if r.ttft is not None]
+    itl = [x for r in rs for x in r.itls]
+    tpot = [r.tpot for r in rs if r.tpot is not None]
+    tokens = sum(r.tokens for r in rs)
+    ms = lambda xs, q: round(1000 * percentile(xs, q), 1)
+    return {
+        "requests": len(rs),
+        "concurrency": report.concurrency,
+        "incomplete": sum(not r.complete for r in rs),
+        "output_tokens": tokens,
+        "seconds": round(report.seconds, 2),
+        "output_tok_s": round(tokens / report.seconds, 1),
+        "req_s": round(len(rs) / report.seconds, 2),
+        "ttft_p50_ms": ms(ttft, 50),
+        "ttft_p99_ms": ms(ttft, 99),
+        "itl_p50_ms": ms(itl, 50),
+        "itl_p99_ms": ms(itl, 99),
+        "tpot_p50_ms": ms(tpot, 50),
+        "tpot_p99_ms": ms(tpot, 99),
+    }
+
+
+def stall_seconds_observed(itls: list[float]) -> float:
+    """Time a stream spent above its typical gap: sum of (gap - median gap) over gaps longer
+    than twice the median. A lazily capturing server pays its recordings here."""
+    if not itls:
+        return 0.0
+    med = statistics.median(itls)
+    return sum(x - med for x in itls if x > 2 * med)
