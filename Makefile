@@ -1,13 +1,14 @@
 # The README's commands. Each target does its own set-up on a fresh machine.
-#   make chat   the main job: set up, fetch the default model, chat with it in the terminal
+#   make serve  the main job: set up, fetch the default model, warm, serve it on 127.0.0.1:8000
 #   make test   set up, fetch the default model, ruff + pytest + the notebooks under nbval
+#   make chat   chat with the default model in the terminal
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model chat generate test lint unit notebooks-test notebooks bench clean
+.PHONY: setup model serve chat generate test lint unit notebooks-test notebooks bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +22,10 @@ $(STAMP): pyproject.toml
 
 model: setup
 	$(BIN)/nanoserve fetch-model
+
+# ARGS passes options through, e.g. make serve ARGS="--port 9000 --api-key secret"
+serve: model
+	$(BIN)/nanoserve serve $(ARGS)
 
 chat: model
 	$(BIN)/nanoserve chat
@@ -57,6 +62,8 @@ notebooks: model
 
 bench: model
 	$(BIN)/python -m nanoserve.bench decode
+	$(BIN)/python -m nanoserve.bench throughput
+	$(BIN)/python -m nanoserve.bench serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

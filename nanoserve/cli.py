@@ -276,7 +276,9 @@ def cmd_serve(args) -> None:
             capture_decode=capture,
             warm=not args.no_warm,
             warm_max_rows=args.warm_max_rows,
-            warm_max_width=args.warm_max_width or (None if on_cuda else 256),
+            warm_max_width=args.warm_max_width
+            if args.warm_max_width is not None
+            else (None if on_cuda else 256),
         ).validate()
         serve(
             config,

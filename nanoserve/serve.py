@@ -605,35 +605,34 @@ def create_app(
             return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
         if not req.stream:
-            text, token_ids, finish = [], [], None
-            while finish is None:
-                try:
-                    item = await asyncio.wait_for(q.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        state.loop.abort(rid)
-                        return Response(status_code=499)
-                    continue
-                if isinstance(item, Refused):
-                    raise APIError(item.status, item.message, type="server_error")
-                text.append(item.text_delta)
-                token_ids.extend(item.new_token_ids)
-                finish = item.finish_reason
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(text)}
-            else:
-                choice["text"] = "".join(text)
-            if req.return_token_ids:
-                choice["token_ids"] = token_ids
-            return {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": usage(len(token_ids)),
-            }
+
+            async def collect() -> JSONResponse:
+                text, token_ids, finish = [], [], None
+                while finish is None:
+                    item = await q.get()
+                    if isinstance(item, Refused):
+                        return APIError(item.status, item.message, type="server_error").response()
+                    text.append(item.text_delta)
+                    token_ids.extend(item.new_token_ids)
+                    finish = item.finish_reason
+                choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": "".join(text)}
+                else:
+                    choice["text"] = "".join(text)
+                if req.return_token_ids:
+                    choice["token_ids"] = token_ids
+                body = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage(len(token_ids)),
+                }
+                return JSONResponse(body)
+
+            return WhenDone(collect, on_disconnect=lambda: state.loop.abort(rid))
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -712,6 +711,36 @@ class EventStream(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.body_iterator.aclose()
+
+
+class WhenDone(Response):
+    """A response computed by `compute()` (an awaitable returning a Response) while listening
+    for the client to leave: if it leaves first, the computation is cancelled and
+    `on_disconnect()` runs (the server aborts the request, freeing its blocks)."""
+
+    def __init__(self, compute, on_disconnect):
+        self.compute, self.on_disconnect = compute, on_disconnect
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        done = False
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listen)
+                response = await self.compute()
+                done = True
+                tg.cancel_scope.cancel()
+        finally:
+            if not done:
+                self.on_disconnect()
+        if done:
+            await response(scope, receive, send)
 
 
 # --- running it ---------------------------------------------------------------------------------

@@ -1,0 +1,578 @@
+"""The server against real clients: uvicorn on loopback, the official `openai` client, raw HTTP.
+
+One server runs the default model (SmolLM2-135M) for the module, with the day 51-56 decode path
+on (buckets, persistent inputs, captured graphs, a warm list) and an API key. Greedy answers are
+compared with the plain eager path (`generate.greedy_tokens`), under the batched engine's
+near-tie rule (tests/test_engine.py).
+"""
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine, build_engine
+from nanoserve.generate import greedy_tokens
+from nanoserve.sampling import SamplingParams
+from nanoserve.serve import ServerThread, boot_line, create_app
+from nanoserve.warmup import check_no_cold_captures, warm_shapes
+from tests.test_engine import check_same_or_near_tie
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_dir):
+    from nanoserve.model import load_model
+    from nanoserve.tokenizer import Tokenizer
+
+    return load_model(smollm_dir), Tokenizer.from_dir(smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def served(smollm):
+    model, tok = smollm
+    config = EngineConfig(
+        max_batch=MAX_BATCH, bucket_decode=True, persist_inputs=True, capture_decode=True, max_model_len=2048
+    )
+    engine = Engine(model, tok, config)
+    engine.model_name = "SmolLM2-135M-Instruct"
+    engine.warm_decode(MAX_BATCH, 128)
+    app = create_app(engine, api_key=KEY)
+    with ServerThread(app) as url:
+        yield url, engine, app
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def reference(smollm, ids, n):
+    model, tok = smollm
+    return greedy_tokens(model, ids, n, eos_ids=tok.eos_ids)
+
+
+def wait_idle(engine, timeout=10.0):
+    """Until the engine holds no request and no block (the loop frees them within a step)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.has_unfinished() and engine.allocator.num_used == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(
+        f"still busy: {len(engine.scheduler.running)} running, {engine.allocator.num_used} blocks used"
+    )
+
+
+def check_all_free(engine):
+    wait_idle(engine)
+    assert engine.allocator.num_used == 0
+    assert not engine.runner.slot_table.row_of, "a slot-table row is still held"
+    engine.allocator.check_invariants([])
+
+
+# --- the openai client ---------------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client):
+    (card,) = client.models.list().data
+    assert card.id == "SmolLM2-135M-Instruct"
+
+
+def test_completion_matches_the_eager_path(client, smollm, served):
+    prompt = "The three primary colours are"
+    resp = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    (choice,) = resp.choices
+    ids = smollm[1].encode(prompt)
+    ref = reference(smollm, ids, 12)
+    check_same_or_near_tie(smollm[0], ids, ref, choice.token_ids, [])
+    assert choice.text == smollm[1].decode(choice.token_ids)
+    assert choice.finish_reason == ("length" if len(ref) == 12 else "stop")
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(choice.token_ids)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    check_all_free(served[1])
+
+
+def test_chat_matches_the_eager_path(client, smollm):
+    messages = [{"role": "user", "content": "Name three planets."}]
+    resp = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0
+    )
+    ids = smollm[1].encode_chat(messages)
+    ref = reference(smollm, ids, 40)
+    text = smollm[1].decode([t for t in ref if t not in smollm[1].eos_ids])
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == text
+    assert resp.choices[0].finish_reason == ("stop" if ref[-1] in smollm[1].eos_ids else "length")
+    assert resp.usage.prompt_tokens == len(ids) and resp.usage.completion_tokens == len(ref)
+
+
+def test_streaming_chat_equals_the_whole_answer_and_reports_usage(client):
+    kw = dict(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Write a haiku about memory."}],
+        max_tokens=24,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_streaming_completion_and_stop_strings(client):
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == whole
+    cut = whole[: whole.index(",", 1)] if "," in whole[1:] else None
+    if cut is not None:
+        stopped = client.completions.create(**kw, stop=[","]).choices[0]
+        assert stopped.finish_reason == "stop" and "," not in stopped.text
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(
+        model="SmolLM2-135M-Instruct", prompt="Once upon a time", max_tokens=16, temperature=0.9, seed=7
+    )
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    c = client.completions.create(**(kw | {"seed": 8})).choices[0].text
+    assert a == b and a != c
+
+
+# --- bad input, raw HTTP -------------------------------------------------------------------------
+
+LONG = "hello " * 2100  # more tokens than the fixture's 2048-token context
+
+BAD = [
+    ("POST", "/v1/completions", b"{not json", 400, None),
+    ("POST", "/v1/completions", b"[1, 2]", 400, None),
+    ("POST", "/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("POST", "/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("POST", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("POST", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("POST", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("POST", "/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("POST", "/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("POST", "/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+    ("POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("POST", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("POST", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("GET", "/v1/nothing-here", None, 404, None),
+    ("GET", "/v1/completions", None, 405, None),
+    ("DELETE", "/v1/chat/completions", None, 405, None),
+]
+
+
+def send(url, method, path, body, headers=AUTH):
+    if isinstance(body, bytes):
+        return httpx.request(
+            method, url + path, content=body, headers=headers | {"Content-Type": "application/json"}
+        )
+    return httpx.request(method, url + path, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("method,path,body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_gets_an_error_object_and_a_4xx(served, method, path, body, status, param):
+    r = send(served[0], method, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and len(err["message"]) > 10 and "Traceback" not in r.text
+    if param is not None:
+        assert err["param"] == param or param in err["message"], err
+
+
+def test_bad_input_leaves_requests_in_flight_untouched(served, smollm):
+    """A long streaming request runs while every bad input above is thrown at the server; it
+    finishes with the tokens it would have had alone."""
+    url, engine = served[:2]
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+    body = {
+        "messages": messages,
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    got, finish = [], []
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        got.extend(c.get("token_ids") or [])
+                        if c["finish_reason"]:
+                            finish.append(c["finish_reason"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for method, path, payload, status, _ in BAD:
+        assert send(url, method, path, payload).status_code == status
+    t.join(timeout=120)
+    ids = smollm[1].encode_chat(messages)
+    ref = greedy_tokens(smollm[0], ids, 48)  # ignore_eos: no end-of-sequence stop
+    check_same_or_near_tie(smollm[0], ids, ref, got, [])
+    assert finish == ["length"] and len(got) == 48
+    check_all_free(engine)
+
+
+def test_api_key_is_enforced(served):
+    url = served[0]
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert send(url, "POST", "/v1/completions", body, headers={}).status_code == 401
+    r = send(url, "POST", "/v1/completions", body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert send(url, "GET", "/v1/models", None, headers={}).status_code == 401
+    assert send(url, "POST", "/v1/completions", body).status_code == 200
+    bad_client = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.models.list()
+    assert httpx.get(url + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(url + "/metrics").status_code == 200
+
+
+# --- disconnects ---------------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_mid_stream_frees_everything(served):
+    url, engine = served[:2]
+    body = {
+        "prompt": "Count slowly:",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 3:
+                break
+        assert engine.allocator.num_used > 0 and len(engine.runner.slot_table.row_of) == 1
+        steps = served_loop(served).steps
+    check_all_free(engine)
+    # freed within a step or two of the close (one may have been running when it happened)
+    assert served_loop(served).steps - steps <= 3
+
+
+def test_a_non_streaming_client_that_gives_up_is_aborted(served):
+    url, engine = served[:2]
+    body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    check_all_free(engine)
+
+
+def served_loop(served):
+    """The EngineLoop behind the module's server (the app keeps its state on app.state)."""
+    return served[2].state.nanoserve.loop
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def test_metrics_parse_and_count(served, client):
+    url, engine = served[:2]
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi there", max_tokens=5, temperature=0)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    for name in [
+        "nanoserve_requests_running",
+        "nanoserve_requests_waiting",
+        "nanoserve_kv_blocks_used",
+        "nanoserve_kv_blocks_total",
+        "nanoserve_preemptions",
+        "nanoserve_time_to_first_token_seconds",
+        "nanoserve_inter_token_latency_seconds",
+        "nanoserve_prompt_tokens",
+        "nanoserve_generation_tokens",
+        "nanoserve_requests",
+        "nanoserve_warm_graphs",
+    ]:
+        assert name in families, name
+    value = lambda name, suffix="": next(s.value for s in families[name].samples if s.name == name + suffix)
+    assert value("nanoserve_kv_blocks_used") == 0 and value("nanoserve_requests_running") == 0
+    assert value("nanoserve_kv_blocks_total") == engine.pool.num_blocks
+    assert value("nanoserve_time_to_first_token_seconds", "_count") >= 1
+    assert value("nanoserve_generation_tokens", "_total") >= 5
+    assert value("nanoserve_warm_graphs") == len(warm_shapes(MAX_BATCH, 2048, 32, MAX_BATCH, 128))
+
+
+# --- soak ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_soak_200_requests_16_clients(served, smollm):
+    """200 requests from 16 concurrent clients (half streaming chat, half completions): nothing
+    lost, every block and row free at the end, the same greedy tokens as Engine.generate."""
+    url, engine = served[:2]
+    model, tok = smollm
+    rng = random.Random(0)
+    words = "cache block token batch model server request memory page slot fast slow the a of".split()
+    jobs = []
+    for i in range(200):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))
+        jobs.append((i, text, rng.randint(2, 20)))
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    def run(job):
+        i, text, n = job
+        if i % 2:
+            resp = client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt=text,
+                max_tokens=n,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+            return resp.choices[0].token_ids, resp.choices[0].finish_reason
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+        ids, finish = [], None
+        for chunk in stream:
+            for c in chunk.choices:
+                ids.extend(getattr(c, "token_ids", None) or [])
+                finish = c.finish_reason or finish
+        return ids, finish
+
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(run, jobs))
+    prompts = [[{"role": "user", "content": t}] if i % 2 == 0 else t for i, t, _ in jobs]
+    ref_engine = Engine(model, tok, EngineConfig(max_batch=32))
+    refs = ref_engine.generate(prompts, [SamplingParams(max_tokens=n) for _, _, n in jobs], use_tqdm=False)
+    ties = []
+    for (i, _, _), (ids, finish), ref in zip(jobs, got, refs):
+        assert finish in ("stop", "length"), (i, finish)
+        check_same_or_near_tie(model, ref.prompt_token_ids, ref.token_ids, ids, ties)
+        if ids == ref.token_ids:
+            assert finish == ref.finish_reason
+    assert len(got) == 200
+    check_all_free(engine)
+    check_no_cold_captures(engine.runner.cold_captures)
+    print(f"soak: 200 requests, near-ties {len(ties)}, graphs {len(engine.runner.graphs)}")
+
+
+# --- day 56: warming before the door opens --------------------------------------------------------
+
+
+def test_health_goes_503_to_200_across_the_warm_up(smollm_dir, capfd):
+    phases, release = [], threading.Event()
+
+    def builder(on_phase):
+        def gate(phase):
+            phases.append(phase)
+            on_phase(phase)
+            if phase == "warming":
+                assert release.wait(60)
+
+        config = EngineConfig(
+            model=str(smollm_dir),
+            max_batch=4,
+            bucket_decode=True,
+            persist_inputs=True,
+            capture_decode=True,
+            warm_max_width=64,
+        )
+        return build_engine(config, on_phase=gate)
+
+    with ServerThread(create_app(builder, address="test")) as url:
+        deadline = time.monotonic() + 60
+        while phases[-1:] != ["warming"]:
+            r = httpx.get(url + "/health")
+            assert r.status_code == 503 and r.json()["status"] in ("loading", "warming")
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming"
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "warming" in r.json()["error"]["message"]
+        release.set()
+        while (r := httpx.get(url + "/health")).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        health = r.json()
+        assert phases == ["loading", "warming"]
+        expected = warm_shapes(4, 8192, 32, 4, 64)
+        assert health["warm"]["graphs"] == len(expected) == 6
+        assert [tuple(s) for s in health["warm"]["shapes"]] == expected
+        assert health["warm"]["max_rows"] == 4 and health["warm"]["max_width"] == 64
+        assert health["pool"]["num_blocks"] * health["pool"]["block_size"] == health["pool"]["num_slots"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+    err = capfd.readouterr().err
+    boot = [
+        ln for ln in err.splitlines() if ln.startswith("nanoserve: ") and "listening on http://test" in ln
+    ]
+    assert len(boot) == 1 and "warm list 6 graphs" in boot[0] and "KV pool 728 blocks" in boot[0]
+
+
+def test_a_builder_that_fails_is_reported_not_served():
+    def builder(on_phase):
+        on_phase("loading")
+        raise ValueError("max_model_len 99999 is longer than the model's context of 8192 tokens")
+
+    reasons = []
+    with ServerThread(create_app(builder, on_failure=reasons.append)) as url:
+        deadline = time.monotonic() + 10
+        while not reasons:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "failed" and "99999" in r.json()["error"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and "99999" in r.json()["error"]["message"]
+
+
+def test_build_engine_warms_the_trimmed_list_and_serves_without_cold_captures(smollm_dir, smollm):
+    config = EngineConfig(
+        model=str(smollm_dir),
+        max_batch=4,
+        max_model_len=512,
+        bucket_decode=True,
+        persist_inputs=True,
+        capture_decode=True,
+        warm_max_width=96,
+    )
+    engine = build_engine(config)
+    report = engine.warm_report
+    assert report.max_rows == 4 and report.max_width == 96 and report.width_ceiling > 96
+    assert report.shapes == warm_shapes(4, 512, 32, 4, 96) and set(engine.runner.graphs) == set(report.shapes)
+    assert report.bytes == sum(
+        r * 49152 * 4 for r, _ in report.shapes
+    )  # HostGraph outputs: rows x vocab fp32
+    prompts = [[{"role": "user", "content": q}] for q in ("Hi!", "What is 2+2?", "Name a colour.")]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    check_no_cold_captures(engine.runner.cold_captures)
+    for messages, out in zip(prompts, outs):
+        ids = smollm[1].encode_chat(messages)
+        check_same_or_near_tie(smollm[0], ids, greedy_tokens(smollm[0], ids, 20), out.token_ids, [])
+    # the same run without the warm-up records its graphs in front of the requests
+    lazy = build_engine(EngineConfig(**{**config.__dict__, "warm": False}))
+    lazy.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert lazy.warm_report is None and lazy.runner.cold_captures > 0
+    with pytest.raises(Exception, match="recorded mid-run"):
+        check_no_cold_captures(lazy.runner.cold_captures)
+
+
+def test_the_width_ceiling_of_the_free_memory_trims_the_list(smollm_dir, monkeypatch):
+    import nanoserve.warmup as warmup
+
+    heads = 9
+    monkeypatch.setattr(warmup, "warm_budget_bytes", lambda device, reserve_bytes=0: 2 * heads * 4 * 100)
+    config = EngineConfig(
+        model=str(smollm_dir), max_batch=2, bucket_decode=True, persist_inputs=True, capture_decode=True
+    )
+    engine = build_engine(config)
+    assert engine.warm_report.width_ceiling == 100 and engine.warm_report.max_width == 100
+    assert engine.warm_report.shapes == warm_shapes(2, 8192, 32, 2, 100)  # widths 32, 64, 96
+
+
+def test_boot_line_names_everything(served):
+    line = boot_line(served[1], "127.0.0.1:8000")
+    for part in [
+        "SmolLM2-135M-Instruct",
+        "fp32 on cpu",
+        "KV pool",
+        "blocks x 16",
+        "tokens",
+        "MB",
+        "warm list",
+        "graphs",
+        "http://127.0.0.1:8000",
+    ]:
+        assert part in line, part
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def nanoserve(*args, timeout=120):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "nanoserve.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_help_documents_every_option():
+    out = nanoserve("serve", "--help").stdout
+    for option in [
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-batch",
+        "--max-model-len",
+        "--kv-budget",
+        "--no-capture",
+        "--no-warm",
+        "--warm-max-rows",
+        "--warm-max-width",
+        "--max-waiting",
+        "--model",
+        "--dtype",
+        "--threads",
+    ]:
+        assert option in out, option
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--port", "70000"], "--port must be between"),
+        (["--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["--max-batch", "0"], "max_batch must be at least 1"),
+        (["--kv-budget", "lots"], "lots"),
+        (["--warm-max-width", "0"], "warm_max_width must be at least 1"),
+    ],
+)
+def test_serve_mistakes_are_one_line(args, words):
+    r = nanoserve("serve", *args)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanoserve: error:") and words in lines[0], r.stderr
+
+
+def test_serve_refuses_a_port_in_use(smollm_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = nanoserve("serve", "--model", str(smollm_dir), "--port", str(s.getsockname()[1]))
+    assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
