@@ -403,8 +403,8 @@ def create_app(
         state.engine = eng
         state.loop = EngineLoop(eng, metrics, max_waiting)
         state.loop.start()
-        state.phase = "ready"
         print(boot_line(eng, address), file=sys.stderr, flush=True)
+        state.phase = "ready"  # after the boot line: whoever sees 200 can also read the line
 
     def build() -> None:
         try:
