@@ -107,7 +107,7 @@ class WarmupReport:
         return len(self.shapes)
 
     def describe(self) -> str:
-        return f"warm list: {self.graphs} graphs in {self.seconds:.2f} s, {self.bytes / 2**20:.1f} MiB"
+        return f"warm list: {self.graphs} graphs in {self.seconds:.2f} s, {self.bytes / 1e6:.1f} MB"
 
     def as_dict(self) -> dict:
         return {

@@ -1,0 +1,397 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Day 48 — Profiling one decode step
+#
+# Phase 5 starts by looking before optimizing. The engine of Day 47 decodes; today the question
+# is where the milliseconds of one decode step go, on the default model (SmolLM2-135M, fp32) on
+# this CPU. Day 12 priced a step by the bytes it must read; today `torch.profiler` says what
+# actually runs.
+#
+# 1. what a step must read: every weight once, 538 MB,
+# 2. one decode step through the engine, and its plan,
+# 3. the profiler's raw view: aten ops by self time,
+# 4. from ops to stages: labels around the package's functions, and two gates,
+# 5. the stage table at batch 1 and batch 8 (`days/day48/profile_step.py`),
+# 6. bytes against time: the bandwidth each matrix achieves,
+# 7. the diagram.
+#
+# Counts (ops per step, bytes, FLOPs) are facts of the code path and are compared when this
+# notebook is re-run. Times come from a shared 2-core CPU and are printed with their unit, or in
+# cells marked as measurement only.
+
+# %%
+import csv
+import sys
+import time
+import warnings
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from IPython.display import Image, display
+
+from nanoserve.bench import read_bandwidth_gbs
+from nanoserve.course import REPO, diagram_path
+from nanoserve.errors import GateError
+from nanoserve.model import load_model
+from nanoserve.weights import fetch_default_model
+
+warnings.filterwarnings("ignore", message=".*record_function.*")
+sys.path.insert(0, str(REPO / "days" / "day48"))
+import profile_step as ps  # the day's script: the notebook prints the table it writes
+
+t0 = time.perf_counter()
+model = load_model(fetch_default_model())  # nanoserve.model.Llama, fp32, CPU
+print(f"loaded in {time.perf_counter() - t0:.1f} s; threads: {torch.get_num_threads()}")
+cfg = model.cfg
+
+# %% [markdown]
+# ## 1. What one decode step must read
+#
+# A decode step computes one token per row, and every row multiplies by every matrix of the
+# model, so every weight byte is read once per step however many rows there are. The head is
+# the embedding (tied): the embedding table is read whole by the head, and only a few rows of it
+# by the input gather. At batch 1 the step is a sequence of matrix-vector products, which do two
+# FLOPs per four-byte weight: nowhere near what the cores can compute, so the floor is the time
+# to stream 538 MB.
+
+# %%
+mats = {
+    "qkv_proj": (cfg.num_layers, model.blocks[0].qkv),
+    "o_proj": (cfg.num_layers, model.blocks[0].o),
+    "mlp_gate_up": (cfg.num_layers, model.blocks[0].gate_up),
+    "mlp_down": (cfg.num_layers, model.blocks[0].down),
+    "head": (1, model.head),
+}
+for name, (n, w) in mats.items():
+    print(f"{name:12s} {n:2d} x {str(tuple(w.shape)):13s} = {n * w.numel() * 4 / 1e6:7.2f} MB")
+norm_bytes = (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
+total = ps.weight_bytes(model)
+print(f"norms        {2 * cfg.num_layers + 1} x (576,)       = {norm_bytes / 1e6:7.2f} MB")
+print(f"every weight, once: {total:,} bytes")
+assert total == 134_515_008 * 4 == sum(n * w.numel() * 4 for n, w in mats.values()) + norm_bytes
+
+# %% [markdown]
+# The read bandwidth torch gets on this machine (the best of a few sums over 256 MB) turns those
+# bytes into a floor for the step:
+
+# %%
+bandwidth = read_bandwidth_gbs(256)
+print(f"read bandwidth {bandwidth:.1f} GB/s -> streaming the weights takes {total / bandwidth / 1e6:.1f} ms")
+
+# %% [markdown]
+# ## 2. One decode step through the engine
+#
+# `profile_step.build_engine` gives an `Engine` 8 requests of 16 random tokens each; one step
+# prefills them all (128 tokens fit the step's budget), and from then on every step is a decode
+# step: 8 rows, one new token each. Its plan is what `ModelRunner.execute` runs: the newest token
+# and its position per row, the slot each row's K/V goes to, and a (rows, W) slot window the
+# attention gathers from; W is 32 (two blocks of 16) from position 16 to 31.
+
+# %%
+engine = ps.build_engine(model, 8)
+engine.step()  # prefill
+batch = engine.scheduler.schedule()
+plan = engine.runner.plan(batch)
+print("decode step:", plan.is_decode, "| rows:", len(plan.rows))
+print("input_ids:", tuple(plan.input_ids.shape), "positions:", plan.positions.tolist())
+print("write_slots:", plan.write_slots.tolist())
+print("slot_window:", tuple(plan.slot_window.shape), "context_lens:", plan.context_lens.tolist())
+logits = engine.runner.execute(plan)
+print("logits:", tuple(logits.shape), logits.dtype)
+assert plan.is_decode and tuple(plan.slot_window.shape) == (8, 32)
+
+# %% [markdown]
+# That took the step apart by hand; below, `engine.step()` runs it whole. A fresh engine
+# replays the same prompts (the generator is seeded), so its steps are the same steps.
+#
+# ## 3. The profiler's raw view
+#
+# `torch.profiler` records every aten op the step dispatches, with its self time (its own time,
+# less the ops it calls). Here is one decode step at batch 8, without any labels:
+
+# %%
+engine = ps.build_engine(model, 8)
+for _ in range(3):  # the prefill, then two decode steps to warm up
+    engine.step()
+ps.warm_profiler()
+with ps.cpu_profile() as prof:  # torch.profiler.profile(activities=[ProfilerActivity.CPU])
+    engine.step()
+events = [e for e in prof.events() if e.name.startswith("aten::")]
+from_python = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+count = {}
+for e in events:
+    count[e.name] = count.get(e.name, 0) + 1
+print(f"aten ops in one decode step: {len(events):,}, of which {len(from_python):,} called from Python")
+for name in ("aten::bmm", "aten::index_select", "aten::scaled_dot_product_attention", "aten::rms_norm"):
+    print(f"  {name:36s} {count[name]:4d} calls")
+# every block runs four matrices, two norms, one attention; plus the head and the final norm
+assert count["aten::bmm"] == 4 * cfg.num_layers + 1 and count["aten::rms_norm"] == 2 * cfg.num_layers + 1
+assert count["aten::index_select"] == 2 * cfg.num_layers  # the K and the V gather of each layer
+
+# %% [markdown]
+# Sorted by self time, the table below is today's measurement (it varies with the machine's
+# load, so nbval does not compare it). Three ops take most of the step: the batched matmuls,
+# the K/V gather, and the attention kernel. The long tail is hundreds of small calls.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=44))
+
+# %% [markdown]
+# ## 4. From ops to stages
+#
+# An op's name does not say which part of the model called it: `bmm` is the QKV projection, the
+# output projection, both MLP matrices and the head. `profile_step.stage_labels` wraps the
+# package's own functions (`model.linear`, `rms_norm`, `apply_rope`, the cache's `write` and
+# `attention`, the block and model forwards, the sampler, the scheduler, the planner) in
+# `torch.profiler.record_function` labels for the duration of the profile, and each op belongs to
+# its nearest label. `linear` learns which matrix it was given by the weight's identity, from a
+# stage map:
+
+# %%
+names = ps.matrix_stages(model)
+print("matrices in the stage map:", len(names), "=", 4, "x", cfg.num_layers, "+ the head")
+print("stages of a step:", ", ".join(ps.STAGES))
+ps.check_weights_accounted(model, names)
+print("check_weights_accounted: every weight byte belongs to a stage")
+
+# %% [markdown]
+# Two gates guard the profile. `check_weights_accounted`: the stage map plus the norms cover
+# every weight byte; a map built by walking the model's named parameters, say, never sees the
+# head, because the tied head is the embedding and `named_parameters` lists a shared tensor
+# once, under its first name. The 113 MB matrix that is read every step would then sit under
+# `unlabelled_matrix`:
+
+# %%
+walked = {}
+for pname, p in model.named_parameters():
+    for key, stage in (
+        ("qkv", "qkv_proj"),
+        (".o", "o_proj"),
+        ("gate_up", "mlp_gate_up"),
+        ("down", "mlp_down"),
+    ):
+        if pname.endswith(key):
+            walked[id(p)] = stage
+    if pname == "head":
+        walked[id(p)] = "head"
+print("parameters named 'head' in named_parameters():", sum(n == "head" for n, _ in model.named_parameters()))
+try:
+    ps.check_weights_accounted(model, walked)
+    raised = False
+except GateError as e:
+    raised = True
+    print("GateError:", e)
+assert raised
+
+# %% [markdown]
+# `check_decode_only`: every profiled step was a decode step. Profiling a fresh engine's first
+# step profiles its prefill (16 tokens a row, a per-row attention loop), which is another
+# workload altogether:
+
+# %%
+fresh = ps.build_engine(model, 1)
+wrong = ps.profile_steps(fresh, 1, timed_first=False)  # no step taken first: this is the prefill
+try:
+    ps.check_decode_only(wrong)
+    raised = False
+except GateError as e:
+    raised = True
+    print("GateError:", e)
+assert raised
+
+# %% [markdown]
+# ## 5. The stage table
+#
+# `profile_step.profile_decode(model, batch, steps)` builds the engine, prefills, takes two
+# decode steps, then profiles `steps` more with the labels on. Per stage: the aten ops it calls
+# from Python (`py_calls`) and all of them, nested included (`aten_calls`), the three busiest by
+# count, and the MFLOPs and MB the step's arithmetic says it does and reads. The counts are per
+# step, and the same on every run.
+
+# %%
+profiles = {}
+for b in ps.BATCHES:
+    profiles[b] = ps.profile_decode(model, b, steps=2, names=names)
+    ps.check_decode_only(profiles[b])
+table = [r for b in ps.BATCHES for r in ps.rows(profiles[b], cfg)]  # one row per (batch, stage)
+wide = ps.table(profiles, cfg)  # the CSV's shape: one row per stage, a column per batch
+facts = ["stage", "ops", "py_calls"] + [
+    f"{c}_b{b}" for c in ("aten_calls", "mflop", "mb_read") for b in ps.BATCHES
+]
+print(" | ".join(facts))
+for r in wide:
+    print(" | ".join(str(r[c]) for c in facts))
+with open(ps.CSV) as f:
+    committed = list(csv.DictReader(f))
+assert [[str(r[c]) for c in facts] for r in wide] == [[r[c] for c in facts] for r in committed], "rerun"
+
+# %% [markdown]
+# What the counts say, before any clock:
+#
+# * One step calls about 2,150 aten ops from Python and about 7,000 in all. RMSNorm is one
+#   call from Python and two dozen inside it (61 norms, 1,464 ops); a paged attention is 20
+#   calls per layer (the gather, the mask, SDPA, the zeroing of empty rows).
+# * Each matrix is 7 calls from Python: `linear` splits the weight into one slab per thread and
+#   runs one `bmm`, then views the slabs back together. At batch 8 that last reshape has to copy
+#   (the rows are no longer one contiguous line), which adds 4 nested ops per matrix.
+# * Every matrix stage reads the same MB at batch 1 and 8 and does 8 times the FLOPs.
+#
+# The times (measured; they differ from run to run):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+timing = ["op_ms", "ms", "share", "gb_s"]
+print(f"{'stage':13s}" + "".join(f"{f'{c} b={b}':>13s}" for b in ps.BATCHES for c in ("ms", "share")))
+for s in ps.STAGES:
+    by_b = {r["batch"]: r for r in table if r["stage"] == s}
+    print(f"{s:13s}" + "".join(f"{by_b[b]['ms']:13.2f}{by_b[b]['share']:12.1f}%" for b in ps.BATCHES))
+for b in ps.BATCHES:
+    s = ps.summary(profiles[b])
+    print(
+        f"batch {b}: wall {s['wall_ms']:.1f} ms a step under the profiler "
+        f"({s['plain_wall_ms']:.1f} ms without); "
+        f"aten op self time {s['op_ms']:.1f} ms; everything else {s['python_ms']:.1f} ms"
+    )
+
+# %% [markdown]
+# ## 6. Bytes against time
+#
+# For the five matrix stages the step's arithmetic gives the bytes read; divided by the stage's
+# time, that is the bandwidth each achieves, to set against the read bandwidth measured above.
+# At batch 1 a matrix stage is a stream of weights through the cores; at batch 8 the same bytes
+# carry 8 times the FLOPs.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for b in ps.BATCHES:
+    rs = [r for r in table if r["batch"] == b and r["stage"] in ps.MATRIX_STAGES]
+    mb = sum(r["mb_read"] for r in rs)
+    ms = sum(r["ms"] for r in rs)
+    wall = ps.summary(profiles[b])["wall_ms"]
+    print(
+        f"batch {b}: matrices read {mb:.0f} MB in {ms:.1f} ms = {mb / ms:.1f} GB/s "
+        f"({100 * mb / ms / bandwidth:.0f}% of the {bandwidth:.1f} GB/s read bandwidth); "
+        f"the whole step {total / 1e6 / wall:.1f} GB/s"
+    )
+    for r in rs:
+        print(f"    {r['stage']:12s} {r['mb_read']:7.2f} MB  {r['ms']:6.2f} ms  {r['gb_s']:5.1f} GB/s")
+
+# %%
+mb_b1 = {r["stage"]: r["mb_read"] for r in table if r["batch"] == 1 and r["stage"] in ps.MATRIX_STAGES}
+mb_b8 = {r["stage"]: r["mb_read"] for r in table if r["batch"] == 8 and r["stage"] in ps.MATRIX_STAGES}
+print("matrix MB read per step, batch 1 == batch 8:", mb_b1 == mb_b8, f"({sum(mb_b1.values()):.1f} MB)")
+print("weight bytes not in a matrix stage (norms):", total - round(sum(mb_b1.values()) * 1e6))
+assert mb_b1 == mb_b8
+
+# %% [markdown]
+# ## 7. The diagram
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(14, 10.5))
+b8 = {r["stage"]: r for r in table if r["batch"] == 8}
+p8 = profiles[8]
+
+ax = axes[0, 0]
+stages = list(ps.STAGES)
+op = [p8.op_us[s] / 1e3 / p8.steps for s in stages]
+py = [max(b8[s]["ms"] - o, 0.0) for s, o in zip(stages, op)]
+ys = range(len(stages))
+ax.barh(ys, op, color="tab:blue", label="aten op self time")
+ax.barh(ys, py, left=op, color="tab:orange", label="Python between ops (label self time)")
+ax.set_yticks(list(ys), stages)
+ax.invert_yaxis()
+ax.set_xlabel("ms per decode step")
+ax.set_title(f"Batch 8: time per stage ({ps.summary(p8)['wall_ms']:.0f} ms step, profiled)")
+ax.legend(loc="lower right", fontsize=8)
+
+ax = axes[0, 1]
+top = sorted(p8.op_self_us.items(), key=lambda kv: -kv[1])[:12]
+ax.barh(range(len(top)), [us / 1e3 / p8.steps for _, us in top], color="tab:purple")
+short = lambda n: n.removeprefix("aten::").replace(
+    "_scaled_dot_product_flash_attention_for_cpu", "sdpa (flash, cpu)"
+)  # noqa: E731
+ax.set_yticks(range(len(top)), [f"{short(n)} ({p8.op_count[n] // p8.steps})" for n, _ in top])
+ax.invert_yaxis()
+ax.set_xlabel("self CPU ms per decode step")
+ax.set_title("Batch 8: aten ops by self time (calls per step)")
+
+ax = axes[1, 0]
+colors = {1: "tab:green", 8: "tab:red"}
+for b in ps.BATCHES:
+    rs = [r for r in table if r["batch"] == b and r["stage"] in ps.BANDWIDTH_STAGES]
+    ax.scatter([r["mb_read"] for r in rs], [r["ms"] for r in rs], color=colors[b], s=40, label=f"batch {b}")
+    for r in rs:
+        ax.annotate(
+            r["stage"], (r["mb_read"], r["ms"]), fontsize=7, xytext=(4, 2), textcoords="offset points"
+        )
+xs = [1, 300]
+ax.plot(xs, [x / bandwidth for x in xs], "k--", lw=1, label=f"measured read bandwidth ({bandwidth:.0f} GB/s)")
+ax.set_xscale("log")
+ax.set_yscale("log")
+ax.set_ylim(bottom=0.5)
+ax.set_xlabel("MB read per step (weights; K/V for attention)")
+ax.set_ylabel("ms per step")
+ax.set_title("Bytes against time: above the line is slower than streaming")
+ax.legend(fontsize=8)
+
+ax = axes[1, 1]
+groups = {
+    "matrices": ps.MATRIX_STAGES,
+    "attention + K/V write": ("attention", "kv_write"),
+    "norm, rope, act, glue, embed": ("norm", "rope", "mlp_act", "block_glue", "embed"),
+    "engine: schedule, plan, sample, append, other": (
+        "schedule",
+        "plan",
+        "sampling",
+        "append",
+        "engine_other",
+    ),
+}
+gcolors = ["tab:blue", "tab:red", "tab:gray", "tab:orange"]
+for i, b in enumerate(ps.BATCHES):
+    left = 0.0
+    by = {r["stage"]: r["ms"] for r in table if r["batch"] == b}
+    for (g, members), c in zip(groups.items(), gcolors):
+        w = sum(by[s] for s in members)
+        ax.barh(i, w, left=left, color=c, label=g if i == 0 else None)
+        if w > 0.06 * sum(by.values()):
+            ax.text(left + w / 2, i, f"{w:.0f}", ha="center", va="center", fontsize=9, color="white")
+        left += w
+    plain = ps.summary(profiles[b])["plain_wall_ms"]
+    ax.plot(
+        [plain, plain],
+        [i - 0.45, i + 0.45],
+        "k-",
+        lw=2.5,
+        label="step with the profiler off" if i == 0 else None,
+    )
+ax.set_yticks(range(len(ps.BATCHES)), [f"batch {b}" for b in ps.BATCHES])
+ax.set_xlabel("ms per decode step (profiled)")
+ax.set_title("Batch 1 against batch 8: the same bytes, 8 tokens")
+ax.legend(fontsize=8, loc="upper right")
+ax.set_ylim(-0.6, len(ps.BATCHES) + 0.4)
+
+fig.suptitle("Day 48: one decode step of SmolLM2-135M (fp32, CPU) under torch.profiler", fontsize=14)
+fig.tight_layout()
+png = diagram_path("day48-profile.png")
+fig.savefig(png, dpi=100)
+plt.close(fig)
+display(Image(filename=png))
