@@ -24,6 +24,7 @@ def test_cold_column_is_lazy_captures_and_warming_leaves_none():
     rows = load_warmbench().cold_table()
     assert [r["cold_lazy"] for r in rows] == [r["predicted"] for r in rows] == [1, 2, 3, 5]
     assert all(r["cold_warmed"] == 0 for r in rows)
+    assert [r["warm_graphs"] for r in rows] == [4, 4, 6, 10]  # the seed's warm list column
     committed = read("day-55-warmbench.csv")
     for got, want in zip(rows, committed):
         for col in ("generated", "cold_lazy", "predicted", "cold_warmed", "warm_graphs"):

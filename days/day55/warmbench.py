@@ -50,7 +50,7 @@ def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple
     per_block = TINY.kv_bytes_per_token(torch.float32) * 16
     config = EngineConfig(
         max_batch=rows,
-        max_model_len=prompt_len + generated,
+        max_model_len=max(64, prompt_len + generated),  # at least two width buckets, as in the seed
         kv_budget=per_block * 64,
         width_multiple=width_multiple,
         bucket_decode=True,
