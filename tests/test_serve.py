@@ -576,3 +576,42 @@ def test_serve_refuses_a_port_in_use(smollm_dir):
         s.listen()
         r = nanoserve("serve", "--model", str(smollm_dir), "--port", str(s.getsockname()[1]))
     assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
+
+
+# --- a tiny engine: queue limits and a failing step -----------------------------------------------
+
+
+@pytest.fixture
+def tiny_engine(tmp_path):
+    from tests.test_model import make_tiny_dir, ours_from_dir
+
+    make_tiny_dir(tmp_path, seed=3, max_position_embeddings=128)
+    model = ours_from_dir(tmp_path)
+    per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
+    return Engine(model, None, EngineConfig(max_batch=4, kv_budget=per_block * 64))
+
+
+def test_a_full_queue_answers_429_with_a_sentence(tiny_engine):
+    with ServerThread(create_app(tiny_engine, max_waiting=0)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 429 and "waiting" in r.json()["error"]["message"]
+    assert tiny_engine.allocator.num_used == 0 and not tiny_engine.has_unfinished()
+
+
+def test_a_step_that_fails_ends_its_requests_and_the_server_goes_on(tiny_engine, monkeypatch):
+    real, calls = tiny_engine.runner.execute, []
+
+    def flaky(plan):
+        calls.append(plan)
+        if len(calls) == 2:
+            raise RuntimeError("simulated kernel failure")
+        return real(plan)
+
+    monkeypatch.setattr(tiny_engine.runner, "execute", flaky)
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    with ServerThread(create_app(tiny_engine)) as url:
+        failed = httpx.post(url + "/v1/completions", json=body)
+        ok = httpx.post(url + "/v1/completions", json=body | {"return_token_ids": True})
+    assert failed.status_code == 500 and "aborted" in failed.json()["error"]["message"]
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
+    assert tiny_engine.allocator.num_used == 0 and not tiny_engine.has_unfinished()
