@@ -4,13 +4,18 @@
   (NANOSERVE_WRITE_DIAGRAMS=1) that is the repo's `diagrams/`; otherwise, and so under
   `pytest --nbval`, a temporary folder, so running a notebook never changes a tracked file.
 * `write_csv(rows, path)`: a day script's table, written the same way every time.
+* `tiny_config(...)`, `tiny_llama(seed, std, ...)`: the random-weight Llama the day scripts run
+  when the default model would be slower than the idea needs (2 layers, hidden 64, vocab 256).
+* `cpu_profile()`: `torch.profiler` over the CPU without the lines it prints from C++.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,3 +38,62 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
         w.writeheader()
         w.writerows(rows)
     return path
+
+
+def tiny_config(max_position_embeddings: int = 512):
+    """The day scripts' tiny Llama: 2 layers, hidden 64, 4 heads (2 KV, head dim 16), vocab 256."""
+    from nanoserve.model import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+def tiny_llama(seed: int = 0, std: float = 0.05, max_position_embeddings: int = 512):
+    """`tiny_config`'s model with every weight drawn from N(0, std) after seeding torch."""
+    import torch
+
+    from nanoserve.model import Llama
+
+    torch.manual_seed(seed)
+    model = Llama(tiny_config(max_position_embeddings))
+    for p in model.parameters():
+        p.normal_(0, std)
+    return model.eval()
+
+
+@contextmanager
+def _fd2_to_devnull():
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+@contextmanager
+def cpu_profile():
+    """`torch.profiler.profile` over the CPU. Its start and stop each write a timestamped line
+    from C++ straight to file descriptor 2 (which would land in a notebook's outputs); those
+    two calls run with it pointed at /dev/null."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _fd2_to_devnull():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _fd2_to_devnull():
+            prof.stop()

@@ -21,8 +21,6 @@ stage and a column per measure and batch (`ms_b8`: milliseconds at batch 8).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -30,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 import nanoserve.cache
 import nanoserve.engine
 import nanoserve.model
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import cpu_profile, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.sampling import SamplingParams
@@ -221,33 +219,6 @@ def build_engine(model, batch: int, prompt_len: int = PROMPT_LEN, seed: int = 0)
         prompt = torch.randint(100, cfg.vocab_size, (prompt_len,), generator=g).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=MAX_MODEL_LEN - prompt_len, ignore_eos=True))
     return engine
-
-
-@contextmanager
-def _fd2_to_devnull():
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-@contextmanager
-def cpu_profile():
-    """`torch.profiler.profile` over the CPU. Its start and stop each write a timestamped line
-    from C++ straight to file descriptor 2; those two calls run with it pointed at /dev/null."""
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with _fd2_to_devnull():
-        prof.start()
-    try:
-        yield prof
-    finally:
-        with _fd2_to_devnull():
-            prof.stop()
 
 
 def warm_profiler() -> None:

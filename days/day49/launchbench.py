@@ -18,18 +18,15 @@ path on 2 or more threads). Times are measured on whatever CPU runs this.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import cpu_profile, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.model import Llama, LlamaConfig
@@ -142,33 +139,6 @@ def build_engine(model: Llama, batch: int, prompt_len: int = PROMPT_LEN, seed: i
         prompt = torch.randint(lo, cfg.vocab_size, (prompt_len,), generator=g).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=MAX_MODEL_LEN - prompt_len, ignore_eos=True))
     return engine
-
-
-@contextmanager
-def _fd2_to_devnull():
-    sys.stderr.flush()
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
-@contextmanager
-def cpu_profile():
-    """`torch.profiler.profile` over the CPU, its start and stop run with file descriptor 2 on
-    /dev/null: each writes a timestamped line there from C++ (as on Day 48)."""
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with _fd2_to_devnull():
-        prof.start()
-    try:
-        yield prof
-    finally:
-        with _fd2_to_devnull():
-            prof.stop()
 
 
 @dataclass

@@ -36,22 +36,13 @@ import torch
 
 from nanoserve.capture import HostGraph, ReplayError
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.model import Llama
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
-TINY = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+TINY = tiny_config(max_position_embeddings=128)
 PROMPTS = ([3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38], [27, 18, 28])
 MAX_TOKENS = (10, 14, 6)  # the third finishes early: the batch drops from 3 rows to 2 mid-run
 
@@ -60,11 +51,7 @@ WEIGHT_STD = 0.3  # wide enough that attention is not uniform, so positions (RoP
 
 
 def tiny_model(seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(TINY)
-    for p in model.parameters():
-        p.normal_(0, WEIGHT_STD)
-    return model.eval()
+    return tiny_llama(seed, WEIGHT_STD, TINY.max_position_embeddings)
 
 
 def tiny_engine(model: Llama, bucketed: bool = True) -> Engine:

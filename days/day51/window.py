@@ -32,10 +32,9 @@ import torch
 
 from nanoserve.buckets import row_buckets, width_buckets
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.inputs import PersistentInputs
-from nanoserve.model import Llama, LlamaConfig
 from nanoserve.plan import (
     check_mapping_is_window,
     check_plan_addressing,
@@ -126,25 +125,13 @@ def window_table(rows=ROWS, widths=WIDTHS, repeats: int = REPEATS) -> list[dict]
 
 # --- the table inside a running engine -----------------------------------------------------------
 
-TINY = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+TINY = tiny_config(max_position_embeddings=128)
 
 
 def tiny_engine(bucketed: bool = True, seed: int = 0) -> Engine:
     """A random-weight Llama behind an engine of 4 rows, blocks of 4, a 64-token context and
     widths in multiples of 16; bucketed decode reads its windows from the slot table."""
-    torch.manual_seed(seed)
-    model = Llama(TINY)
-    for p in model.parameters():
-        p.normal_(0, 0.3)
+    model = tiny_llama(seed, 0.3, TINY.max_position_embeddings)
     per_block = TINY.kv_bytes_per_token(torch.float32) * 4
     cfg = EngineConfig(
         max_batch=4,
@@ -155,7 +142,7 @@ def tiny_engine(bucketed: bool = True, seed: int = 0) -> Engine:
         bucket_decode=bucketed,
         persist_inputs=bucketed,
     )
-    return Engine(model.eval(), None, cfg)
+    return Engine(model, None, cfg)
 
 
 def requests(n: int = 8, seed: int = 5) -> list[tuple[list[int], int]]:

@@ -33,10 +33,10 @@ import torch
 
 from nanoserve.capture import HostGraph, check_addresses_stable
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.model import Llama
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -48,24 +48,11 @@ MODES = {
     "bucketed": dict(bucket_decode=True),
     "persistent": dict(bucket_decode=True, persist_inputs=True),
 }
-TINY = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+TINY = tiny_config(max_position_embeddings=512)
 
 
 def tiny_model(seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(TINY)
-    for p in model.parameters():
-        p.normal_(0, 0.05)
-    return model
+    return tiny_llama(seed, 0.05, TINY.max_position_embeddings)
 
 
 def engine(model, mode: str, max_batch: int = 4, max_model_len: int = 256, **kw) -> Engine:

@@ -23,31 +23,18 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.model import Llama
 from nanoserve.sampling import SamplingParams
 from nanoserve.warmup import lazy_captures
 
 HERE = Path(__file__).resolve().parent
-TINY = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-)
+TINY = tiny_config(max_position_embeddings=1024)
 
 
 def tiny_model(seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(TINY)
-    for p in model.parameters():
-        p.normal_(0, 0.05)
-    return model
+    return tiny_llama(seed, 0.05, TINY.max_position_embeddings)
 
 
 def make_engine(model, capture: bool, rows: int, max_model_len: int, width_multiple: int) -> Engine:

@@ -18,31 +18,18 @@ from pathlib import Path
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
+from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.model import Llama
 from nanoserve.sampling import SamplingParams
 from nanoserve.warmup import lazy_captures, stall_seconds, warm_shapes, warmup_seconds, width_ceiling
 
 HERE = Path(__file__).resolve().parent
-TINY = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-)
+TINY = tiny_config(max_position_embeddings=512)
 
 
 def tiny_model(seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    model = Llama(TINY)
-    for p in model.parameters():
-        p.normal_(0, 0.05)
-    return model
+    return tiny_llama(seed, 0.05, TINY.max_position_embeddings)
 
 
 def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple=32):
