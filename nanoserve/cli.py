@@ -144,16 +144,23 @@ def sampling_params(args):
         raise NanoserveError(str(e)) from None
 
 
-def load(args):
-    """An `Engine` over the model the options name (one sequence at a time is all a terminal needs,
-    but the same engine serves a batch: see `nanoserve.engine`)."""
+def device_of(args) -> str:
+    """The device the options ask for (default: cuda when torch sees one, else cpu); asking for
+    cuda where there is none is a mistake the user can fix."""
     import torch
-
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine import build_engine
 
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise NanoserveError("--device cuda was asked for, but torch sees no CUDA device here")
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load(args):
+    """An `Engine` over the model the options name (one sequence at a time is all a terminal needs,
+    but the same engine serves a batch: see `nanoserve.engine`)."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import build_engine
+
+    device_of(args)
     config = EngineConfig(
         model=args.model,
         dtype=DTYPES[args.dtype],
@@ -249,17 +256,13 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     import os
 
-    import torch
-
     from nanoserve.config import EngineConfig
     from nanoserve.pool import parse_bytes
     from nanoserve.serve import serve
 
-    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise NanoserveError("--device cuda was asked for, but torch sees no CUDA device here")
+    on_cuda = device_of(args).startswith("cuda")
     if not 0 < args.port < 65536:
         raise NanoserveError(f"--port must be between 1 and 65535, got {args.port}")
-    on_cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     capture = not args.no_capture
     try:
         config = EngineConfig(

@@ -74,8 +74,14 @@ class Accepted:
 
 @dataclasses.dataclass
 class Refused:
+    """The engine loop's answer when it cannot take or finish a request."""
+
     message: str
     status: int = 400
+
+    def error(self) -> APIError:
+        kind = "server_busy" if self.status == 429 else "server_error" if self.status >= 500 else None
+        return APIError(self.status, self.message, type=kind or "invalid_request_error")
 
 
 class EngineLoop:
@@ -486,11 +492,7 @@ def create_app(
         state.loop.submit(rid, prompt_ids, params, lambda item: aio.call_soon_threadsafe(q.put_nowait, item))
         first = await q.get()
         if isinstance(first, Refused):
-            raise APIError(
-                first.status,
-                first.message,
-                type="server_busy" if first.status == 429 else "invalid_request_error",
-            )
+            raise first.error()
         created, model = int(time.time()), eng.model_name
         obj = "chat.completion" if chat else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -505,7 +507,7 @@ def create_app(
                 while finish is None:
                     item = await q.get()
                     if isinstance(item, Refused):
-                        return APIError(item.status, item.message, type="server_error").response()
+                        return item.error().response()
                     text.append(item.text_delta)
                     token_ids.extend(item.new_token_ids)
                     finish = item.finish_reason
@@ -551,8 +553,7 @@ def create_app(
                 while not finished:
                     item = await q.get()
                     if isinstance(item, Refused):
-                        err = {"message": item.message, "type": "server_error", "param": None, "code": None}
-                        yield f"data: {json.dumps({'error': err})}\n\n"
+                        yield f"data: {json.dumps(item.error().body())}\n\n"
                         finished = True
                         break
                     n_out += len(item.new_token_ids)
