@@ -2,10 +2,15 @@
 
 `CompletionRequest` and `ChatRequest` are pydantic models of OpenAI's request bodies, strict
 about types (a `max_tokens` of "5" is an error, not a 5), plus three extensions: `top_k`,
-`ignore_eos` and `return_token_ids`. Fields this server parses but does not implement (`n` > 1,
-logprobs, echo, best_of, penalties, logit_bias, suffix, tools) are refused by `check_supported`
-when set to anything but their default, rather than silently ignored. Every refusal is an
-`APIError`, which renders as OpenAI's error object:
+`ignore_eos` and `return_token_ids`. Any field that would change the answer and that this
+server does not implement is refused by `check_supported` when set to anything but its
+default, never silently ignored: OpenAI's (`n` > 1, logprobs, top_logprobs, echo, best_of,
+penalties, logit_bias, suffix, tools, tool_choice, a `response_format` other than text) and the
+extensions other servers take (vLLM's min_p, repetition_penalty, guided decoding, ...; see
+`ANSWER_CHANGING`). Unknown fields that change nothing (`user`, `metadata`) are ignored.
+Sizes are capped (`MAX_STOP_CHARS`, `MAX_MESSAGES`, `MAX_PARTS`), so no request can make the
+server do far more work than its context allows. Every refusal is an `APIError`, which renders
+as OpenAI's error object:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
@@ -17,7 +22,7 @@ from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --- errors --------------------------------------------------------------------------------------
 
@@ -25,17 +30,25 @@ from pydantic import BaseModel, ConfigDict, Field
 class APIError(Exception):
     """An error a client caused (or a state it met), answered as OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param=None,
+        code=None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        body = self.body()
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        headers = self.headers | ({"WWW-Authenticate": "Bearer"} if self.status == 401 else {})
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -61,6 +74,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 # --- the request schema (OpenAI's, plus top_k, ignore_eos and return_token_ids) -----------------
 
+MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_MESSAGES = 1024  # messages in one chat request
+MAX_PARTS = 64  # text parts in one message's content
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -68,13 +86,13 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # extras are checked by check_supported
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 or -1 turns it off
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | list[str] | None = None  # at most MAX_STOP, each at most MAX_STOP_CHARS (checked in serve)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)  # what torch.Generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
@@ -106,14 +124,66 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _few_parts(cls, value):
+        if isinstance(value, list) and len(value) > MAX_PARTS:
+            raise ValueError(f"a message's content has at most {MAX_PARTS} parts, this one has {len(value)}")
+        return value
+
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# Fields other servers take that would change the answer, with the value that changes nothing
+# (_REFUSE: any value other than null is refused). Sent with another value, they get a 400.
+_REFUSE = object()
+ANSWER_CHANGING: dict[str, Any] = {
+    "min_p": 0,
+    "repetition_penalty": 1,
+    "length_penalty": 1,
+    "min_tokens": 0,
+    "top_a": 0,
+    "typical_p": 1,
+    "mirostat": 0,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "stop_token_ids": _REFUSE,
+    "bad_words": _REFUSE,
+    "allowed_token_ids": _REFUSE,
+    "prompt_logprobs": _REFUSE,
+    "logits_processors": _REFUSE,
+    "guided_json": _REFUSE,
+    "guided_regex": _REFUSE,
+    "guided_choice": _REFUSE,
+    "guided_grammar": _REFUSE,
+    "guided_decoding_backend": _REFUSE,
+    "structured_outputs": _REFUSE,
+    "grammar": _REFUSE,
+    "json_schema": _REFUSE,
+    "functions": _REFUSE,
+    "function_call": _REFUSE,
+    "prediction": _REFUSE,
+    "audio": _REFUSE,
+    "modalities": _REFUSE,
+    "reasoning_effort": _REFUSE,
+    "chat_template": _REFUSE,
+    "chat_template_kwargs": _REFUSE,
+    "truncate_prompt_tokens": _REFUSE,
+    "n_probs": _REFUSE,
+}
 
 
 def check_supported(req: _Common) -> None:
@@ -128,7 +198,29 @@ def check_supported(req: _Common) -> None:
         ("best_of", (getattr(req, "best_of", None) or 1) != 1, "best_of is not supported"),
         ("suffix", bool(getattr(req, "suffix", None)), "suffix is not supported"),
         ("tools", bool(getattr(req, "tools", None)), "tools are not supported by this server"),
+        (
+            "tool_choice",
+            getattr(req, "tool_choice", None) not in (None, "none"),
+            "tool_choice is not supported by this server (it has no tools)",
+        ),
+        (
+            "top_logprobs",
+            bool(getattr(req, "top_logprobs", None)),
+            "top_logprobs are not supported (log-probabilities are not returned yet)",
+        ),
+        (
+            "response_format",
+            (getattr(req, "response_format", None) or {"type": "text"}).get("type") != "text",
+            "response_format other than {'type': 'text'} is not supported: this server cannot "
+            "constrain output to JSON, and would answer in free text",
+        ),
     ]
     for param, bad, message in checks:
         if bad:
             raise APIError(400, message, param=param)
+    for name, value in (req.model_extra or {}).items():
+        default = ANSWER_CHANGING.get(name)
+        if name in ANSWER_CHANGING and value is not None and (default is _REFUSE or value != default):
+            raise APIError(
+                400, f"'{name}' is not supported by this server and would change the answer", param=name
+            )

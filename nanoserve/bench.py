@@ -12,6 +12,13 @@
                 the captured-and-warmed server against an eager (--no-capture) one; then a
                 warmed server against a lazily capturing one on a fresh start: the first
                 request's TTFT and the stall over one long generation.
+    admission   the throughput workload under a small KV pool: admission with the watermark
+                (a block kept free for every running request's next token, plus 1% of the
+                pool) against the earlier policy that hands a prompt the last free blocks;
+                preemptions, recomputed tokens and tokens/s of each.
+
+Every benchmark first prints the CPU's capability (the kernels torch picked, and whether the
+CPU has bf16 instructions), since machines of one kind differ there and it moves the numbers.
 
 Machines are shared and noisy, so no absolute number here is a promise; the ratio, measured
 in one run, is the figure to quote. Each benchmark ends with one machine-readable line.
@@ -27,6 +34,23 @@ from pathlib import Path
 import torch
 
 from nanoserve.course import write_csv
+
+
+def cpu_line() -> str:
+    """What the CPU offers the kernels: torch's dispatch level and the bf16 instructions."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        pass
+    have = [name for name in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
+    return (
+        f"cpu: torch capability {torch.backends.cpu.get_cpu_capability()}, flags {' '.join(have) or 'none'}, "
+        f"mkldnn bf16 {'yes' if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 'no'}, "
+        f"{torch.get_num_threads()} threads"
+    )
+
 
 DECODE_PROMPT = "Explain, step by step, how a paged KV cache lets an inference server batch many requests."
 
@@ -125,12 +149,17 @@ def throughput_workload(n: int, prompt_lens, output_lens, vocab: int, seed: int 
     return reqs
 
 
-def run_nanoserve_workload(model, tokenizer, reqs, config) -> tuple[float, int, int]:
-    """(seconds, useful tokens, preemptions) for the workload on a fresh engine."""
+def run_nanoserve_workload(
+    model, tokenizer, reqs, config, engine_out: list | None = None
+) -> tuple[float, int, int]:
+    """(seconds, useful tokens, preemptions) for the workload on a fresh engine (appended to
+    engine_out when given, for a caller that wants more of its counts)."""
     from nanoserve.engine import Engine
     from nanoserve.sampling import SamplingParams
 
     engine = Engine(model, tokenizer, config)
+    if engine_out is not None:
+        engine_out.append(engine)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in reqs]
     t0 = time.perf_counter()
@@ -175,6 +204,7 @@ def cmd_throughput(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(cpu_line())
     model_dir = resolve_model_dir(args.model)
     tok = Tokenizer.from_dir(model_dir)
     dtypes = {"float32": ["float32"], "bfloat16": ["bfloat16"], "both": ["float32", "bfloat16"]}[args.dtype]
@@ -219,6 +249,56 @@ def cmd_throughput(args) -> None:
     finish("throughput", rows, args.csv)
 
 
+def cmd_admission(args) -> None:
+    from nanoserve.config import EngineConfig
+    from nanoserve.model import load_model
+    from nanoserve.pool import parse_bytes
+    from nanoserve.tokenizer import Tokenizer
+    from nanoserve.weights import resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(cpu_line())
+    model_dir = resolve_model_dir(args.model)
+    model, tok = load_model(model_dir), Tokenizer.from_dir(model_dir)
+    reqs = throughput_workload(
+        args.requests, args.prompt_len, args.output_len, model.cfg.vocab_size, args.seed
+    )
+    budget = parse_bytes(args.kv_budget)
+    rows = []
+    for name, watermark in (("last free blocks", None), ("watermark", args.watermark)):
+        config = EngineConfig(
+            max_batch=args.max_batch, max_model_len=args.max_model_len, kv_budget=budget, watermark=watermark
+        )
+        engines: list = []
+        seconds, useful, preemptions = run_nanoserve_workload(model, tok, reqs, config, engines)
+        rows.append(
+            {
+                "policy": name,
+                "watermark": "none" if watermark is None else watermark,
+                "kv_blocks": engines[0].pool.num_blocks,
+                "preemptions": preemptions,
+                "recomputed_tokens": engines[0].scheduler.recomputed_tokens,
+                "useful_tokens": useful,
+                "seconds": round(seconds, 1),
+                "tok_s": round(useful / seconds, 1),
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{name:>16}: {r['preemptions']:4d} preemptions, {r['recomputed_tokens']:6d} tokens recomputed, "
+            f"{r['tok_s']:6.1f} tok/s ({r['seconds']} s) over {r['kv_blocks']} blocks"
+        )
+    if args.csv:
+        write_csv(rows, args.csv)
+    old, new = rows
+    print(
+        f"RESULT admission preemptions={old['preemptions']}->{new['preemptions']} "
+        f"recomputed={old['recomputed_tokens']}->{new['recomputed_tokens']} "
+        f"tok_s={old['tok_s']}->{new['tok_s']} ratio={new['tok_s'] / old['tok_s']:.2f}x"
+    )
+
+
 def finish(bench: str, rows: list[dict], csv_path: str | None) -> None:
     """Write the rows when asked, and end with the one machine-readable line."""
     if csv_path:
@@ -234,6 +314,7 @@ def cmd_decode(args) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(cpu_line())
     model_dir = resolve_model_dir(args.model)
     dtypes = {
         "float32": [torch.float32],
@@ -312,6 +393,7 @@ def cmd_serve(args) -> None:
 
     common = ["--max-batch", str(args.max_batch)] + (["--model", args.model] if args.model else [])
     reqs = chat_workload(args.requests, args.max_tokens)
+    print(cpu_line())
     print(
         f"{args.requests} streaming chat requests of {args.max_tokens} tokens (ignore_eos, greedy), "
         f"{args.clients} concurrent clients, server max_batch {args.max_batch}"
@@ -396,11 +478,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=512, help="tokens of the warm-vs-lazy long generation")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None, help="write the load rows here and the warm rows next to it")
+    p = sub.add_parser("admission", help="a tight KV pool: admission with the watermark against without")
+    p.add_argument("--model", default=None)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--kv-budget", default="64MiB", help="a pool far smaller than the workload wants")
+    p.add_argument("--watermark", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     from nanoserve.errors import NanoserveError
 
+    commands = {
+        "decode": cmd_decode,
+        "throughput": cmd_throughput,
+        "serve": cmd_serve,
+        "admission": cmd_admission,
+    }
     try:
-        {"decode": cmd_decode, "throughput": cmd_throughput, "serve": cmd_serve}[args.bench](args)
+        commands[args.bench](args)
     except NanoserveError as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,10 @@ share the blocks that hold it:
     block_size 4, table.blocks [7, 2]:  position 0 -> slot 28, position 5 -> slot 9
 
 Prefix caching: a full block is named by a chained hash of its tokens and of every token
-before it (`block_hashes`). When a prompt arrives, its leading full blocks whose hashes are
+before it (`block_hashes`): SHA-256 of the parent block's hash and the block's token ids, so
+equal names mean equal prefixes up to a 2**-256 chance. A hit is still confirmed against what
+the block holds, its tokens and its parent's hash, so even a collision could not hand one
+prefix's K/V to another. When a prompt arrives, its leading full blocks whose hashes are
 known are reused instead of recomputed. A freed block keeps its hash on the free list and can
 still be claimed by a later prompt, until it is handed out fresh (least recently freed first).
 
@@ -18,6 +21,8 @@ blocks fit in memory is `pool.py`'s business, and who gets blocks when is the sc
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +48,7 @@ class BlockTable:
     num_tokens: int = 0  # tokens whose K/V has a slot
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # chained hashes of the leading full blocks, kept so each step hashes only the new block
-    hashes: list[int] = field(default_factory=list, repr=False)
+    hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def capacity(self) -> int:
@@ -62,19 +67,26 @@ class BlockTable:
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
 
-def _chain(parent: int | None, block_tokens: Sequence[int]) -> int:
-    return hash((parent, tuple(block_tokens)))
+ROOT = bytes(32)  # the parent hash of a sequence's first block
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def _chain(parent: bytes | None, block_tokens: Sequence[int]) -> bytes:
+    """SHA-256 over the parent's 32-byte hash and the block's token ids as little-endian int64s.
+    (Python's `hash()` of a tuple, used before, is 64 bits and not collision resistant: a
+    collision would have shared K/V between two different prefixes.)"""
+    data = (parent or ROOT) + struct.pack(f"<{len(block_tokens)}q", *block_tokens)
+    return hashlib.sha256(data).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Chained hashes of every full block of token_ids; a partial last block has none.
 
     Block i's hash covers blocks 0..i, so equal hashes mean equal prefixes, not just equal blocks:
 
-        block_size 2, [5, 6, 5, 6, 9] -> [h0, h1] with h0 = hash((None, (5, 6))),
-                                               h1 = hash((h0, (5, 6))) != h0
+        block_size 2, [5, 6, 5, 6, 9] -> [h0, h1] with h0 = sha256(ROOT + (5, 6)),
+                                               h1 = sha256(h0 + (5, 6)) != h0
     """
-    hashes: list[int] = []
+    hashes: list[bytes] = []
     parent = None
     for i in range(len(token_ids) // block_size):
         parent = _chain(parent, token_ids[i * block_size : (i + 1) * block_size])
@@ -98,9 +110,10 @@ class BlockAllocator:
         # insertion order is free order: the front was freed longest ago and is handed out first
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._num_used = 0
-        self._hash_of: dict[int, int] = {}  # block -> hash of the prefix it holds
-        self._block_of: dict[int, int] = {}  # hash -> block, the inverse
-        self._tokens_of: dict[int, tuple[int, ...]] = {}  # block -> its tokens, to rule out hash collisions
+        self._hash_of: dict[int, bytes] = {}  # block -> hash of the prefix it holds
+        self._block_of: dict[bytes, int] = {}  # hash -> block, the inverse
+        # block -> (parent's hash, its tokens): a hit must match both, so no collision can share
+        self._contents_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}
 
     @property
     def num_free(self) -> int:
@@ -116,7 +129,7 @@ class BlockAllocator:
     def can_allocate(self, n_blocks: int) -> bool:
         return n_blocks <= len(self._free)
 
-    def cached_block(self, block_hash: int) -> int | None:
+    def cached_block(self, block_hash: bytes) -> int | None:
         """The block registered under block_hash, free or used, or None."""
         return self._block_of.get(block_hash)
 
@@ -127,7 +140,7 @@ class BlockAllocator:
         h = self._hash_of.pop(block, None)
         if h is not None:  # its old contents are about to be overwritten
             del self._block_of[h]
-            del self._tokens_of[block]
+            del self._contents_of[block]
         self._ref[block] = 1
         self._num_used += 1
         return block
@@ -153,13 +166,21 @@ class BlockAllocator:
         bs = self.block_size
         # the last prompt token is always recomputed: its logits pick the first new token
         usable = (len(token_ids) - 1) // bs * bs
-        hits = []
+        hits, parent = [], ROOT
         for i, h in enumerate(block_hashes(token_ids[:usable], bs)):
             block = self._block_of.get(h)
-            if block is None or self._tokens_of[block] != tuple(token_ids[i * bs : (i + 1) * bs]):
-                break
+            if block is None or self._contents_of[block] != (parent, tuple(token_ids[i * bs : (i + 1) * bs])):
+                break  # not cached, or a hash collision: the block holds another prefix
             hits.append(block)
+            parent = h
         return hits
+
+    def prompt_blocks_needed(self, token_ids: Sequence[int], extra_tokens: int = 0) -> int:
+        """Free blocks a new prompt of token_ids would take, plus room for extra_tokens more:
+        fresh blocks, and cached blocks that are free now (they leave the free list too)."""
+        hits = self._cached_prefix(token_ids)
+        fresh = -(-(len(token_ids) + extra_tokens) // self.block_size) - len(hits)
+        return fresh + sum(self._ref[b] == 0 for b in hits)
 
     def allocate_prompt(self, table: BlockTable, token_ids: Sequence[int]) -> int:
         """Give an empty table blocks for all of token_ids; return how many tokens are cached.
@@ -206,12 +227,14 @@ class BlockAllocator:
         bs = self.block_size
         for i in range(len(table.hashes), min(len(token_ids) // bs, len(table.blocks))):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = _chain(table.hashes[-1] if table.hashes else None, tokens)
+            parent = table.hashes[-1] if table.hashes else ROOT
+            h = _chain(parent, tokens)
             table.hashes.append(h)
             block = table.blocks[i]
             if h in self._block_of or block in self._hash_of:
                 continue  # another block already holds this prefix; one copy is enough
-            self._hash_of[block], self._block_of[h], self._tokens_of[block] = h, block, tokens
+            self._hash_of[block], self._block_of[h] = h, block
+            self._contents_of[block] = (parent, tokens)
 
     def free(self, table: BlockTable) -> None:
         """Drop table's references and empty it. Tail first, so a shared prefix is reallocated last."""

@@ -3,8 +3,9 @@
 `BatchedPagedKVCache` holds, per layer, one K pool and one V pool of shape
 (num_slots + 1, kv_heads, head_dim). A slot is one token's K/V; slot `s` lives in block
 `s // block_size`, and which blocks a sequence owns is the allocator's business (`blocks.py`).
-The extra entry at index `sink_slot` (= num_slots) is the sink: a legal address that no block
-maps, where padded rows of a bucketed batch (day 52) write their throwaway K/V.
+The extra entry at index `sink_slot` (= num_slots) is the sink: it exists in every pool but
+belongs to no block, so it is where padded rows of a bucketed batch (day 52) write the K/V
+nobody will read.
 
 A step's addressing comes from a `StepPlan` (`plan.py`); `view(plan)` binds the two into a
 `BatchedCacheRows`, which is the object the model talks to (`write`, `attention`):
@@ -100,8 +101,8 @@ class BatchedPagedKVCache:
 
     def view(self, plan) -> BatchedCacheRows:
         """Bind a plan. `write` and `paged_attention` read the rows a plan addresses, which for a
-        warm plan (day 55) is none, all padding; a plan with no tokens at all is a forward with
-        nothing in it, and is refused."""
+        warm plan (day 55) is none, all padding; a plan of zero tokens is refused, since there
+        would be no step to run."""
         if plan.num_tokens == 0:
             raise ValueError("a step over no tokens at all has nothing to compute; schedule something first")
         return BatchedCacheRows(self, plan)

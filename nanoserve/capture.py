@@ -142,7 +142,7 @@ def pool_sharing_ratio(member_bytes: list[int]) -> float:
 
 
 def check_pool_budget(pool_bytes: int, budget_bytes: int) -> None:
-    """The graphs' shared pool fits in what is left after the weights and the KV pool."""
+    """The graphs' shared pool fits the memory still free once weights and KV pool are resident."""
     if pool_bytes > budget_bytes:
         raise GateError(
             f"the graph pool needs {pool_bytes:,} bytes but only {budget_bytes:,} are free; "

@@ -112,9 +112,34 @@ def build_parser() -> Parser:
         default=None,
         help="warm only width buckets up to this many tokens (default: 256 on CPU, where a recording costs "
         "one step and saves nothing; on CUDA the smaller of --max-model-len and the free memory's width "
-        "ceiling). Wider shapes are recorded on first use.",
+        "ceiling). Wider shapes run eagerly: after the warm list nothing more is recorded.",
+    )
+    p.add_argument(
+        "--graph-budget",
+        default="512MiB",
+        help="with --no-warm, the memory lazily recorded graphs may hold; past it new shapes run "
+        "eagerly (default: 512MiB)",
     )
     p.add_argument("--max-waiting", type=int, default=1024, help="queue length past which requests get 429")
+    p.add_argument(
+        "--max-body-bytes",
+        default="4MiB",
+        help="largest request body; a larger one gets 413 before it is read (default: 4MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or SIGINT, seconds requests in flight may run before they are cut; new "
+        "requests get 503 meanwhile (default: 30)",
+    )
+    p.add_argument(
+        "--watermark",
+        type=float,
+        default=0.01,
+        help="share of the KV pool admission keeps free beyond the running requests' next tokens, so "
+        "a new prompt is not preempted on the next step (default: 0.01)",
+    )
     p.add_argument(
         "--log-level",
         default="warning",
@@ -263,8 +288,13 @@ def cmd_serve(args) -> None:
     on_cuda = device_of(args).startswith("cuda")
     if not 0 < args.port < 65536:
         raise NanoserveError(f"--port must be between 1 and 65535, got {args.port}")
+    if not args.drain_timeout >= 0:
+        raise NanoserveError(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout}")
     capture = not args.no_capture
     try:
+        max_body = parse_bytes(args.max_body_bytes)
+        if max_body < 1:
+            raise ValueError(f"--max-body-bytes must be at least 1 byte, got {args.max_body_bytes}")
         config = EngineConfig(
             model=args.model,
             dtype=DTYPES[args.dtype],
@@ -278,6 +308,8 @@ def cmd_serve(args) -> None:
             persist_inputs=capture,
             capture_decode=capture,
             warm=not args.no_warm,
+            graph_budget=parse_bytes(args.graph_budget),
+            watermark=args.watermark,
             warm_max_rows=args.warm_max_rows,
             warm_max_width=args.warm_max_width
             if args.warm_max_width is not None
@@ -289,6 +321,8 @@ def cmd_serve(args) -> None:
             port=args.port,
             api_key=args.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
             max_waiting=args.max_waiting,
+            max_body_bytes=max_body,
+            drain_timeout=args.drain_timeout,
             log_level=args.log_level,
         )
     except ValueError as e:

@@ -20,6 +20,9 @@ class EngineConfig:
     kv_budget: int | None = None  # bytes for the KV pool; None: pool.py's default for the device
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
     enable_prefix_caching: bool = True
+    # admission keeps a block free for each running sequence's next token plus this share of the
+    # pool (scheduler.py); None admits into the last free blocks (the earlier policy)
+    watermark: float | None = 0.01
     threads: int | None = None  # CPU threads for torch; None: leave torch's default
     # decode at fixed addresses (days 51-53): pad each decode batch to a (rows, width) bucket,
     # addressed through the slot table; with persist_inputs, through buffers written in place
@@ -31,6 +34,9 @@ class EngineConfig:
     # the list is every (rows, width) bucket trimmed to rows <= warm_max_rows (default max_batch)
     # and width <= the smallest of max_model_len, warm_max_width and the free memory's width ceiling
     warm: bool = True
+    # bytes recorded decode graphs may hold when shapes are recorded lazily (no warm list); past
+    # it a new shape runs eagerly. After a warm list nothing more is recorded (runner.py).
+    graph_budget: int = 512 * 2**20
     warm_max_rows: int | None = None
     warm_max_width: int | None = None
 
@@ -46,8 +52,12 @@ class EngineConfig:
             raise ValueError(
                 "capture_decode needs persist_inputs: a graph reads its inputs at fixed addresses"
             )
+        if self.watermark is not None and not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.width_multiple < 1:
             raise ValueError(f"width_multiple must be at least 1, got {self.width_multiple}")
+        if self.graph_budget < 0:
+            raise ValueError(f"graph_budget must be at least 0 bytes, got {self.graph_budget}")
         for name in ("warm_max_rows", "warm_max_width"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

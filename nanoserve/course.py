@@ -7,6 +7,7 @@
 * `tiny_config(...)`, `tiny_llama(seed, std, ...)`: the random-weight Llama the day scripts run
   when the default model would be slower than the idea needs (2 layers, hidden 64, vocab 256).
 * `cpu_profile()`: `torch.profiler` over the CPU without the lines it prints from C++.
+* `ServerThread(app)`: uvicorn serving an app on a background thread, for notebooks and tests.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import csv
 import os
 import sys
 import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -97,3 +100,39 @@ def cpu_profile():
     finally:
         with _fd2_to_devnull():
             prof.stop()
+
+
+class ServerThread:
+    """uvicorn serving `app` on a background thread, for tests and notebooks:
+
+        with ServerThread(create_app(engine)) as url:     # url = "http://127.0.0.1:PORT"
+            httpx.get(url + "/health")
+
+    Port 0 picks a free port. Leaving the block shuts the server down (the lifespan stops the
+    engine loop, aborting anything still in flight)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import socket
+
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()

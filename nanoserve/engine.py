@@ -32,7 +32,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.inputs import PersistentInputs
 from nanoserve.pool import plan_pool
 from nanoserve.runner import ModelRunner
-from nanoserve.sampling import SamplingParams, sample
+from nanoserve.sampling import SamplingParams, sample_rows
 from nanoserve.scheduler import Scheduler, Sequence
 from nanoserve.slots import SlotTable
 from nanoserve.stopping import StopStrings
@@ -43,7 +43,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     text_delta: str = ""
-    finish_reason: str | None = None  # stop | length | abort; None while running
+    finish_reason: str | None = None  # stop | length | abort | error; None while running
+    error: str | None = None  # with finish_reason "error": why this request alone was ended
 
     @property
     def finished(self) -> bool:
@@ -89,7 +90,9 @@ class Engine:
             self.pool.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
         self.cache = BatchedPagedKVCache(model.cfg, self.pool.num_slots, dtype=dtype, device=model.device)
-        self.scheduler = Scheduler(self.allocator, config.max_batch, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.allocator, config.max_batch, config.max_num_batched_tokens, watermark=config.watermark
+        )
         slot_table = buckets = inputs = None
         if config.bucket_decode:
             sink = self.pool.sink_slot
@@ -101,7 +104,14 @@ class Engine:
             if config.persist_inputs:
                 inputs = PersistentInputs(config.max_batch, sink, device=model.device)
         self.runner = ModelRunner(
-            model, self.cache, config.block_size, slot_table, buckets, inputs, capture=config.capture_decode
+            model,
+            self.cache,
+            config.block_size,
+            slot_table,
+            buckets,
+            inputs,
+            capture=config.capture_decode,
+            graph_budget=config.graph_budget,
         )
         self.scheduler.on_leave = self.runner.release
         self.requests: dict[str, _Request] = {}
@@ -186,8 +196,21 @@ class Engine:
             return []
         seqs = [plan.rows[i] for i in ready]
         picked = logits[torch.tensor(ready, device=logits.device)]
-        tokens = sample(picked, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        return [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+        tokens = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs])
+        return [self._append_or_fail(seq, token) for seq, token in zip(seqs, tokens)]
+
+    def _append_or_fail(self, seq: Sequence, token: int | str) -> RequestOutput:
+        """One row's outcome. A row that could not be sampled (token is the reason) or whose
+        token could not be turned into text ends alone, with finish_reason "error"; its blocks
+        are free and the step's other rows are untouched."""
+        if not isinstance(token, str):
+            try:
+                return self._append(seq, token)
+            except Exception as e:  # detokenizing or a stop check broke on this row only
+                token = f"this request's output could not be processed ({type(e).__name__}: {e})"
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq, "error")
+        return RequestOutput(seq.request_id, [], finish_reason="error", error=token)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         req = self.requests[seq.request_id]
@@ -218,7 +241,8 @@ class Engine:
     def warm_decode(self, max_rows: int | None = None, max_width: int | None = None):
         """Record the decode graphs for every bucket shape (trimmed to max_rows and max_width)
         before any request arrives; needs capture_decode. Returns a `WarmupReport`, also kept as
-        `self.warm_report`."""
+        `self.warm_report`. From then on nothing more is recorded: a decode shape outside the
+        list runs eagerly (`runner.eager_steps`), so graph memory stays what the report says."""
         from nanoserve.warmup import warm_decode, warm_shapes
 
         if not self.config.capture_decode:
@@ -230,6 +254,7 @@ class Engine:
         report = warm_decode(self.runner, shapes)
         report.max_rows, report.max_width = max_rows, max_width
         self.warm_report = report
+        self.runner.lazy = False
         return report
 
     def warm_trim(self) -> tuple[int, int, int]:

@@ -51,7 +51,7 @@ class KVPoolPlan:
 
     @property
     def sink_slot(self) -> int:
-        """One past the last real slot; the pools have num_slots + 1 entries."""
+        """The index right after the real slots (= num_slots); each pool has num_slots + 1 entries."""
         return self.num_slots
 
     @property

@@ -3,6 +3,14 @@
 Prefill and decode both run eagerly here (days 24-25). Day 52-55 add the decode variants
 (bucketed, persistent inputs, captured) behind the same `execute` call, so the engine never
 knows which one ran.
+
+Graph memory is bounded. Without a warm list (`lazy`, day 54) an unseen decode shape is recorded
+on first use while the recorded graphs hold less than `graph_budget` bytes; past that, a new
+shape runs eagerly through the same buckets and buffers. Once a warm list is recorded (day 56,
+`Engine.warm_decode` turns `lazy` off) nothing more is recorded: a shape outside the list runs
+eagerly, as vLLM runs batch sizes past its capture list, so what graphs hold is exactly what the
+boot line reported. `graph_bytes` is that memory (CPU: the graphs' output buffers; CUDA: growth
+of the shared pool while recording) and `eager_steps` counts the decode steps that ran unrecorded.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class ModelRunner:
         buckets=None,
         inputs=None,
         capture: bool = False,
+        graph_budget: int = 512 * 2**20,
     ):
         self.model, self.cache, self.block_size = model, cache, block_size
         self.slot_table, self.buckets, self.inputs = slot_table, buckets, inputs
@@ -37,6 +46,10 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], HostGraph | CudaGraph] = {}  # (rows, width) -> graph
         self.cold_captures = 0  # graphs recorded in front of a running request
         self.graph_pool = None  # CUDA: the memory pool every capture shares
+        self.lazy = True  # record an unseen shape on first use; off once a warm list is recorded
+        self.graph_budget = graph_budget  # bytes lazy recording may hold in graphs
+        self.graph_bytes = 0  # bytes the recorded graphs hold
+        self.eager_steps = 0  # captured-mode decode steps that ran without a graph
 
     def plan(self, batch: Batch) -> StepPlan:
         device = self.model.device
@@ -81,10 +94,17 @@ class ModelRunner:
             return self._forward(plan)
         shape = tuple(plan.slot_window.shape)
         graph = self.graphs.get(shape)
-        if graph is None:
+        if graph is not None:
+            return graph.replay()
+        if self.lazy and self.graph_bytes + self.graph_cost(shape) <= self.graph_budget:
             self.cold_captures += 1
             return self.record(plan).output
-        return graph.replay()
+        self.eager_steps += 1  # past the warm list, or the budget is spent: run it as it is
+        return self._forward(plan)
+
+    def graph_cost(self, shape: tuple[int, int]) -> int:
+        """What recording shape will hold at least: its fp32 logits buffer (rows x vocab)."""
+        return shape[0] * self.model.cfg.vocab_size * 4
 
     def record(self, plan: StepPlan):
         """Record the decode step for plan's (rows, width) shape: a CUDA graph on a GPU (all
@@ -93,8 +113,12 @@ class ModelRunner:
         if self.model.device.type == "cuda":
             if self.graph_pool is None:
                 self.graph_pool = torch.cuda.graph_pool_handle()
+            reserved = torch.cuda.memory_reserved(self.model.device)
             graph = CudaGraph.record(self._forward, plan, pool=self.graph_pool)
+            self.graph_bytes += torch.cuda.memory_reserved(self.model.device) - reserved
         else:
             graph = HostGraph.record(self._forward, plan)
+            if isinstance(graph.output, torch.Tensor):
+                self.graph_bytes += graph.output.numel() * graph.output.element_size()
         self.graphs[shape] = graph
         return graph

@@ -3,8 +3,14 @@
 `SamplingParams` is what a request asks for; `validate` turns a bad value into a sentence.
 `sample` picks one token per row of a (B, vocab) logits batch, each row under its own params:
 
-    temperature 0     -> greedy (argmax); top_k, top_p and the seed are irrelevant
-    temperature t > 0 -> logits / t, then top-k, then top-p (nucleus), then one draw
+    temperature < 1e-5 -> greedy (argmax); top_k, top_p and the seed are irrelevant
+    temperature t      -> logits / t, then top-k, then top-p (nucleus), then one draw
+
+A temperature below `SAMPLING_EPS` is greedy rather than a division: logits / 1e-39 are inf,
+their softmax NaN, and `multinomial` would raise for the whole batch (vLLM draws the same line
+at the same 1e-5). `sample_rows` keeps one row's failure to that row: a row whose logits are
+not finite, or whose draw raises, comes back as a sentence instead of a token, and the other
+rows of the step keep theirs.
 
 A request with a seed draws from its own `torch.Generator`, so its tokens do not depend on what
 else shares the batch (or on the global RNG); a request without one draws from a generator
@@ -17,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy
+SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes without wrapping or raising
 
 
 @dataclass
@@ -44,13 +53,15 @@ class SamplingParams:
         self.stop = tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("every stop string must be a non-empty string")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
         return self
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     def make_generator(self, device="cpu") -> torch.Generator:
         g = torch.Generator(device=device)
@@ -79,12 +90,32 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """One token id per row of logits (B, V) -> (B,) int64 on logits' device."""
-    tokens = logits.argmax(-1)  # (B,): right for every greedy row
+    """One token id per row of logits (B, V) -> (B,) int64 on logits' device. Raises on the
+    first row that cannot be sampled; the engine uses `sample_rows`, which does not."""
+    picked = sample_rows(logits, params, generators)
+    for p in picked:
+        if isinstance(p, str):
+            raise ValueError(p)
+    return torch.tensor(picked, dtype=torch.long, device=logits.device)
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | str]:
+    """One token id per row of logits (B, V), or for a row that cannot be sampled a sentence
+    saying why. Greedy rows are one batched argmax; each sampled row draws on its own."""
+    finite = torch.isfinite(logits).all(-1).tolist()  # (B,): a NaN or inf row poisons only itself
+    tokens: list[int | str] = logits.argmax(-1).tolist()  # right for every greedy row
     for i, p in enumerate(params):
+        if not finite[i]:
+            tokens[i] = "the model produced non-finite logits for this request"
+            continue
         if p.greedy:
             continue
-        row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+        try:
+            row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
+        except (RuntimeError, ValueError) as e:
+            tokens[i] = f"sampling failed for this request ({e})"
     return tokens

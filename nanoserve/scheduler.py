@@ -5,13 +5,22 @@ running set, and every step returns either a prefill batch or a decode batch:
 
 * prefill first: unfinished prompt chunks of running sequences, then new sequences admitted from
   the front of the queue while a row is free (`max_batch`), the step's token budget
-  (`max_num_batched_tokens`) lasts and the allocator can give the prompt its blocks. A prompt
+  (`max_num_batched_tokens`) lasts and the allocator can give the prompt its blocks and still
+  keep the reserve free (below). A prompt
   longer than the budget is split into chunks over several steps (chunked prefill); a prefix
   the allocator already holds is skipped (prefix caching).
 * otherwise decode: every running sequence gets one token. When a sequence needs a new block
   and none is free, the newest running sequence is preempted: it returns its blocks and goes
   back to the front of the queue, to be recomputed from its prompt and the tokens it already
   generated (preemption by recompute).
+
+The reserve (day 28's watermark): a prompt is admitted only if, after its blocks (and the block
+its first generated token will need), the free list still holds a block for every running
+sequence whose next token starts a new block, plus `watermark` of the pool (vLLM keeps 1%).
+Without it, a prompt could take the last free blocks and the very next decode step would
+preempt it, the newest, throwing its prefill away, over and over under a tight pool. With
+nothing running the reserve is 0, so a prompt as long as the pool is still admitted.
+`watermark=None` is the earlier policy, kept as a named variant: take whatever is free.
 
 Finished sequences leave at once (`finish`), returning their blocks. What the step computes is
 `plan.py`'s; what a token means (stop strings, text) is the engine's.
@@ -78,13 +87,21 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_batch: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_batch: int,
+        max_num_batched_tokens: int,
+        watermark: float | None = 0.01,
+    ):
         self.allocator = allocator
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark = watermark
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.recomputed_tokens = 0  # K/V thrown away by preemption, to be computed again
         self._arrivals = itertools.count()
         self.on_leave = lambda seq: None  # told when a sequence leaves the running set
 
@@ -111,6 +128,8 @@ class Scheduler:
                 budget -= end - seq.num_computed
         while self.waiting and budget > 0 and len(self.running) < self.max_batch:
             seq = self.waiting[0]
+            if not self.can_admit(seq):
+                break  # admitting it now would make the next decode step preempt someone
             try:
                 cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids)
             except NoFreeBlocks:
@@ -122,6 +141,24 @@ class Scheduler:
             batch.chunks.append((seq, cached, end))
             budget -= end - cached
         return batch
+
+    def reserve(self) -> int:
+        """Blocks admission leaves free: one per running sequence whose next token needs a new
+        block, plus the watermark's share of the pool; 0 when nothing runs."""
+        if self.watermark is None or not self.running:
+            return 0
+        alloc = self.allocator
+        # a decoding row writes its newest token next; a row still in prefill will sample one first
+        next_blocks = sum(
+            alloc.blocks_needed(s.block_table, len(s.token_ids) + s.needs_prefill) for s in self.running
+        )
+        return next_blocks + int(self.watermark * alloc.num_blocks)
+
+    def can_admit(self, seq: Sequence) -> bool:
+        if self.watermark is None:
+            return True  # the earlier policy: allocate_prompt alone decides
+        need = self.allocator.prompt_blocks_needed(seq.token_ids, extra_tokens=1)
+        return need + self.reserve() <= self.allocator.num_free
 
     def _schedule_decode(self) -> Batch:
         batch = Batch()
@@ -145,6 +182,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         self.on_leave(seq)
+        self.recomputed_tokens += seq.num_computed
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -4,22 +4,26 @@
     app = create_app(lambda on_phase: build_engine(config, on_phase), address="127.0.0.1:8000")
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming as server-sent
-events when `stream` is true), `GET /v1/models`, `GET /health` (503 while the model loads and
-warms, then 200 with the KV pool plan and the warm list next to it), `GET /metrics`
-(Prometheus text). The request schema and the error object are in `api.py`.
+events when `stream` is true), `GET /v1/models`, `GET /health`, `GET /metrics`. This module
+holds the routes and the process around them; the pieces they stand on are modules of their own:
+the request schema and error object (`api.py`), the engine loop that owns the engine
+(`loop.py`), the metrics (`metrics.py`) and the two responses that notice a client leaving
+(`responses.py`).
 
-The engine is not thread-safe and does not need to be: one thread, `EngineLoop`, owns it and
-steps it whenever it has work (day 47). A request handler only tokenizes, validates, puts the
-request in the loop's inbox and reads its own queue of `RequestOutput`s; the loop hands each
-step's outputs to the handlers' asyncio queues with `call_soon_threadsafe`. A client that goes
-away is an `abort` in the same inbox, so its blocks and its slot-table row are free after the
-loop's next turn. Bad input never reaches the engine: it is answered with an OpenAI-style error
-object and a 4xx, and requests in flight are not touched.
+A handler checks the request, renders and tokenizes its prompt on a worker thread (so one huge
+prompt never stalls other streams or `/health`), puts it in the loop's inbox and reads its own
+queue. Bad input never reaches the engine: it gets an OpenAI error object and a 4xx, and
+requests in flight are not touched. A body larger than `max_body_bytes` is refused with 413
+before it is read, and a prompt whose characters cannot fit the context is refused before it is
+tokenized.
 
-When `create_app` is given a builder instead of an engine, the app starts listening at once and
-builds in a background thread, so `/health` can say 503 "loading" / "warming" while it happens;
-the generation routes answer 503 until the warm list is recorded (day 56: the door opens after
-the warm-up, not before). The boot line is printed when the engine is ready.
+`/health` is the server's state: 503 "loading" / "warming" while a builder runs (day 56: the
+door opens after the warm-up), 200 with the pool and the warm plan when ready, 503 "draining"
+during a graceful shutdown, 503 "failed" with the reason when the build failed or the engine
+loop died. `serve()` runs it under uvicorn and drains on SIGTERM or SIGINT: new requests get
+503 with Retry-After, requests in flight run to the end for up to `drain_timeout` seconds,
+what is left then ends with an error event, and the process exits 0. A second signal stops at
+once.
 """
 
 from __future__ import annotations
@@ -27,12 +31,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import queue
+import os
 import secrets
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -40,12 +43,13 @@ from typing import Any
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.api import (
+    MAX_STOP,
+    MAX_STOP_CHARS,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -54,222 +58,45 @@ from nanoserve.api import (
 )
 from nanoserve.engine import Engine, RequestOutput
 from nanoserve.errors import NanoserveError
+from nanoserve.loop import EngineLoop, Refused
+from nanoserve.metrics import Metrics
+from nanoserve.responses import EventStream, WhenDone
 from nanoserve.sampling import SamplingParams
 
-# --- the engine loop (day 47) --------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Stream:
-    sink: Callable[[Any], None]  # thread-safe: puts an item on the handler's asyncio queue
-    arrival: float
-    prompt_tokens: int
-    last: float | None = None  # when its previous token came out
-    generated: int = 0
-
-
-class Accepted:
-    """The first item on a handler's queue when the engine took its request."""
-
-
-@dataclasses.dataclass
-class Refused:
-    """The engine loop's answer when it cannot take or finish a request."""
-
-    message: str
-    status: int = 400
-
-    def error(self) -> APIError:
-        kind = "server_busy" if self.status == 429 else "server_error" if self.status >= 500 else None
-        return APIError(self.status, self.message, type=kind or "invalid_request_error")
-
-
-class EngineLoop:
-    """Owns the engine: drains the inbox (adds and aborts), steps, hands out the outputs."""
-
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, max_waiting: int = 1024):
-        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.streams: dict[str, _Stream] = {}
-        self.steps = 0
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.inbox.put(("wake",))
-        self.thread.join(timeout=30)
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink) -> None:
-        self.inbox.put(("add", request_id, prompt_ids, params, sink, time.perf_counter()))
-
-    def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
-
-    def _handle(self, item) -> None:
-        if item[0] == "add":
-            _, rid, prompt_ids, params, sink, arrival = item
-            if len(self.engine.scheduler.waiting) >= self.max_waiting:
-                sink(Refused(f"the server has {self.max_waiting} requests waiting; try again later", 429))
-                return
-            try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
-            except (ValueError, NanoserveError) as e:
-                sink(Refused(str(e)))
-                return
-            self.streams[rid] = _Stream(sink, arrival, len(prompt_ids))
-            sink(Accepted())
-        elif item[0] == "abort":
-            stream = self.streams.pop(item[1], None)
-            if stream is not None and self.engine.abort(item[1]):
-                stream.sink(RequestOutput(item[1], [], finish_reason="abort"))
-                if self.metrics:
-                    self.metrics.finished(stream, "abort")
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                block = not self.engine.has_unfinished()
-                item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-                self._handle(item)
-                while True:  # everything else that arrived, before the next step
-                    self._handle(self.inbox.get_nowait())
-            except queue.Empty:
-                pass
-            if self._stop.is_set() or not self.engine.has_unfinished():
-                continue
-            try:
-                outs = self.engine.step()
-            except Exception:  # a bug, not a bad request: end what is in flight, keep serving
-                traceback.print_exc(file=sys.stderr)
-                self._fail_all("the engine failed on this step; the request was aborted")
-                continue
-            self.steps += 1
-            now = time.perf_counter()
-            for out in outs:
-                stream = self.streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if self.metrics:
-                    self.metrics.token(stream, now)
-                stream.generated += len(out.new_token_ids)
-                stream.last = now
-                stream.sink(out)
-                if out.finished:
-                    del self.streams[out.request_id]
-                    if self.metrics:
-                        self.metrics.finished(stream, out.finish_reason)
-        self._fail_all("the server is shutting down; the request was aborted")
-
-    def _fail_all(self, message: str) -> None:
-        for rid, stream in list(self.streams.items()):
-            try:
-                self.engine.abort(rid)
-            except Exception:
-                traceback.print_exc(file=sys.stderr)
-            stream.sink(Refused(message, 500))
-        self.streams.clear()
-
-
-# --- metrics ------------------------------------------------------------------------------------
-
-
-class Metrics:
-    """Prometheus metrics in the app's own registry: histograms and counters the loop updates,
-    plus the engine's state (running, waiting, blocks, preemptions, graphs) read at scrape."""
-
-    def __init__(self, state: ServerState):
-        self.registry = CollectorRegistry()
-        self.state = state
-        r = self.registry
-        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-        self.ttft = Histogram(
-            "nanoserve_time_to_first_token_seconds",
-            "Time from a request's arrival to its first generated token.",
-            buckets=latency_buckets,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "nanoserve_inter_token_latency_seconds",
-            "Time between two consecutive tokens of one request.",
-            buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5),
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "nanoserve_e2e_request_latency_seconds",
-            "Time from a request's arrival to its last token.",
-            buckets=latency_buckets,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "nanoserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter("nanoserve_generation_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter(
-            "nanoserve_requests", "Requests that ended, by finish reason.", ["finish_reason"], registry=r
-        )
-        r.register(_EngineCollector(state))
-
-    def token(self, stream: _Stream, now: float) -> None:
-        if stream.last is None:
-            self.ttft.observe(now - stream.arrival)
-        else:
-            self.itl.observe(now - stream.last)
-        self.generation_tokens.inc()
-
-    def finished(self, stream: _Stream, reason: str) -> None:
-        self.e2e.observe(time.perf_counter() - stream.arrival)
-        self.prompt_tokens.inc(stream.prompt_tokens)
-        self.requests.labels(finish_reason=reason).inc()
-
-
-class _EngineCollector:
-    def __init__(self, state: ServerState):
-        self.state = state
-
-    def collect(self):
-        engine = self.state.engine
-        if engine is None:
-            return
-        sched, alloc = engine.scheduler, engine.allocator
-        values = [
-            ("nanoserve_requests_running", "Requests in the running set.", len(sched.running)),
-            ("nanoserve_requests_waiting", "Requests waiting for admission.", len(sched.waiting)),
-            ("nanoserve_kv_blocks_used", "KV blocks held by requests.", alloc.num_used),
-            ("nanoserve_kv_blocks_total", "KV blocks in the pool.", alloc.num_blocks),
-            ("nanoserve_warm_graphs", "Graphs recorded by the warm-up.", _warm(engine).get("graphs", 0)),
-            ("nanoserve_graphs", "Decode graphs recorded in all.", len(engine.runner.graphs)),
-        ]
-        for name, doc, value in values:
-            yield GaugeMetricFamily(name, doc, value=value)
-        yield CounterMetricFamily("nanoserve_preemptions", "Requests preempted.", value=sched.num_preemptions)
-        yield CounterMetricFamily(
-            "nanoserve_cold_captures", "Graphs recorded mid-run.", value=engine.runner.cold_captures
-        )
-
-
-def _warm(engine: Engine) -> dict:
-    return engine.warm_report.as_dict() if engine.warm_report is not None else {}
-
-
-# --- the app ------------------------------------------------------------------------------------
+MAX_BODY_BYTES = 4 * 2**20  # the default request-body cap: far above any prompt a context holds
+LIVENESS_POLL = 1.0  # seconds a handler waits on its queue before asking whether the loop lives
 
 
 class ServerState:
     def __init__(self):
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
-        self.phase = "loading"  # loading | warming | ready | failed
+        self.phase = "loading"  # loading | warming | ready | draining | failed
         self.error: str | None = None
         self.created = int(time.time())
+
+    def fail(self, reason: str) -> None:
+        self.phase, self.error = "failed", reason
 
 
 def pool_dict(engine: Engine) -> dict:
     plan = engine.pool
     return dataclasses.asdict(plan) | {"num_slots": plan.num_slots, "describe": plan.describe()}
+
+
+def warm_dict(engine: Engine) -> dict | None:
+    """The warm plan as /health reports it, with what recorded graphs hold now."""
+    runner = engine.runner
+    if not runner.capture:
+        return None
+    report = engine.warm_report.as_dict() if engine.warm_report is not None else {}
+    return report | {
+        "recording": "lazy" if runner.lazy else "warm list only",
+        "graphs_now": len(runner.graphs),
+        "graph_bytes": runner.graph_bytes,
+        "graph_budget_bytes": runner.graph_budget,
+        "eager_steps": runner.eager_steps,
+    }
 
 
 def boot_line(engine: Engine, address: str | None = None) -> str:
@@ -285,12 +112,56 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     )
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 with an error object. A declared
+    Content-Length over the cap is refused before anything is read; a body without one (chunked)
+    is read up to the cap first and refused as soon as it crosses it, then handed on whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self, size: str) -> Response:
+        message = f"the request body is {size}; this server takes at most {self.max_bytes:,} bytes"
+        return APIError(413, message, code="request_too_large").response()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._too_large(f"{int(length):,} bytes")(scope, receive, send)
+            return await self.app(scope, receive, send)  # the server stops at the length it declared
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(f"over {self.max_bytes:,} bytes")(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect can come
+
+        await self.app(scope, replay, send)
+
+
 def create_app(
     engine: Engine | Callable[[Callable[[str], None]], Engine],
     *,
     api_key: str | None = None,
     address: str | None = None,
     max_waiting: int = 1024,
+    max_body_bytes: int = MAX_BODY_BYTES,
     on_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine` is a built Engine or a builder `f(on_phase) -> Engine` run in a
@@ -301,7 +172,7 @@ def create_app(
 
     def ready(eng: Engine) -> None:
         state.engine = eng
-        state.loop = EngineLoop(eng, metrics, max_waiting)
+        state.loop = EngineLoop(eng, metrics, max_waiting, on_death=state.fail)
         state.loop.start()
         print(boot_line(eng, address), file=sys.stderr, flush=True)
         state.phase = "ready"  # after the boot line: whoever sees 200 can also read the line
@@ -310,7 +181,7 @@ def create_app(
         try:
             ready(engine(lambda phase: setattr(state, "phase", phase)))
         except Exception as e:  # reported by /health and on stderr; the process keeps answering
-            state.phase, state.error = "failed", f"{type(e).__name__}: {e}"
+            state.fail(f"{type(e).__name__}: {e}")
             print(f"nanoserve: error: the engine failed to start: {e}", file=sys.stderr, flush=True)
             if on_failure is not None:
                 on_failure(state.error)
@@ -319,7 +190,8 @@ def create_app(
         if isinstance(engine, Engine):
             ready(engine)
         else:
-            threading.Thread(target=build, name="nanoserve-build", daemon=True).start()
+            app.state.build_thread = threading.Thread(target=build, name="nanoserve-build", daemon=True)
+            app.state.build_thread.start()
         yield
         if state.loop is not None:
             state.loop.stop()
@@ -327,6 +199,8 @@ def create_app(
     app = FastAPI(title="nanoserve", lifespan=lifespan)
     app.state.nanoserve = state
     app.state.metrics = metrics
+    app.state.build_thread = None
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -358,6 +232,13 @@ def create_app(
             )
 
     def serving_engine() -> Engine:
+        if state.phase == "draining":
+            raise APIError(
+                503,
+                "the server is shutting down and takes no new requests; retry against another replica",
+                type="service_unavailable",
+                headers={"Retry-After": "5"},
+            )
         if state.phase != "ready":
             why = state.error or f"the model is {state.phase}; try again when /health says ok"
             raise APIError(503, why, type="service_unavailable")
@@ -368,13 +249,15 @@ def create_app(
         eng = state.engine
         if state.phase != "ready":
             body = {"status": state.phase, "error": state.error}
+            if state.phase == "draining" and state.loop is not None:
+                body["in_flight"] = state.loop.in_flight
             return JSONResponse(body, status_code=503)
         return {
             "status": "ok",
             "model": eng.model_name,
             "max_model_len": eng.max_model_len,
             "pool": pool_dict(eng),
-            "warm": _warm(eng) or None,
+            "warm": warm_dict(eng),
             "running": len(eng.scheduler.running),
             "waiting": len(eng.scheduler.waiting),
             "kv_blocks_used": eng.allocator.num_used,
@@ -410,8 +293,10 @@ def create_app(
             prompt = prompt[0]
         if isinstance(prompt, str) and not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        prompt_ids = _encode(eng, prompt)
-        return await _run(eng, req, request, prompt_ids, chat=False, default_max=16)
+        if isinstance(prompt, str):
+            check_fits(eng, len(prompt), "prompt")
+        prompt_ids = await encode(eng, prompt, "prompt")
+        return await run(eng, req, prompt_ids, chat=False, default_max=16)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(req: ChatRequest, request: Request):
@@ -422,10 +307,11 @@ def create_app(
         for m in req.messages:
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        prompt_ids = _encode(eng, messages)
+        check_fits(eng, sum(len(m["content"]) for m in messages), "messages")
+        prompt_ids = await encode(eng, messages, "messages")
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
-        return await _run(eng, req, request, prompt_ids, chat=True, default_max=None)
+        return await run(eng, req, prompt_ids, chat=True, default_max=None)
 
     def check_model(eng: Engine, name: str | None) -> None:
         if name is not None and name != eng.model_name:
@@ -436,16 +322,45 @@ def create_app(
                 code="model_not_found",
             )
 
-    def _encode(eng: Engine, prompt) -> list[int]:
-        try:
-            ids = eng.encode_prompt(prompt)
-        except (ValueError, NanoserveError) as e:
-            raise APIError(400, str(e), param="prompt") from None
+    def check_fits(eng: Engine, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit the context whatever its tokens."""
+        tok = eng.tokenizer
+        if tok is None or chars <= eng.max_model_len * tok.max_token_chars:
+            return
+        raise APIError(
+            400,
+            f"the {param} is {chars:,} characters; no token of this model stands for more than "
+            f"{tok.max_token_chars}, so it cannot fit the context of {eng.max_model_len} tokens; shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+    async def encode(eng: Engine, prompt, param: str) -> list[int]:
+        """Render and tokenize on a worker thread: the event loop keeps serving meanwhile."""
+
+        def work() -> list[int]:
+            try:
+                return eng.encode_prompt(prompt)
+            except (ValueError, NanoserveError) as e:
+                raise APIError(400, str(e), param=param) from None
+
+        ids = await anyio.to_thread.run_sync(work)
         if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param=param)
         return ids
 
-    async def _run(eng: Engine, req, request: Request, prompt_ids, chat: bool, default_max):
+    async def next_item(q: asyncio.Queue):
+        """The next item on a handler's queue; a Refused if the loop died meanwhile."""
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), LIVENESS_POLL)
+            except asyncio.TimeoutError:  # noqa: UP041 -- not yet the builtin on Python 3.10
+                loop = state.loop
+                if loop is None or not loop.alive:
+                    reason = (loop.failure if loop else None) or "the engine loop is not running"
+                    return Refused(f"the request was aborted: {reason}", 500)
+
+    async def run(eng: Engine, req, prompt_ids, chat: bool, default_max):
         n_prompt, limit = len(prompt_ids), eng.max_model_len
         if n_prompt >= limit:
             raise APIError(
@@ -470,8 +385,12 @@ def create_app(
                 code="context_length_exceeded",
             )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise APIError(400, "stop is at most 4 non-empty strings", param="stop")
+        if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise APIError(
+                400,
+                f"stop is at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                param="stop",
+            )
         params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -484,93 +403,58 @@ def create_app(
         try:
             params.validate()
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            field = next((f for f in ("seed", "temperature", "top_p", "top_k") if f in str(e)), None)
+            raise APIError(400, str(e), param=field) from None
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         aio = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         state.loop.submit(rid, prompt_ids, params, lambda item: aio.call_soon_threadsafe(q.put_nowait, item))
-        first = await q.get()
+        first = await next_item(q)
         if isinstance(first, Refused):
             raise first.error()
-        created, model = int(time.time()), eng.model_name
-        obj = "chat.completion" if chat else "text_completion"
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def usage(n_out: int) -> dict:
-            return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-
+        answer = _Answer(rid, eng.model_name, chat, n_prompt, req.return_token_ids)
         if not req.stream:
 
-            async def collect() -> JSONResponse:
-                text, token_ids, finish = [], [], None
-                while finish is None:
-                    item = await q.get()
+            async def collect() -> Response:
+                while True:
+                    item = await next_item(q)
                     if isinstance(item, Refused):
                         return item.error().response()
-                    text.append(item.text_delta)
-                    token_ids.extend(item.new_token_ids)
-                    finish = item.finish_reason
-                choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": "".join(text)}
-                else:
-                    choice["text"] = "".join(text)
-                if req.return_token_ids:
-                    choice["token_ids"] = token_ids
-                body = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage(len(token_ids)),
-                }
-                return JSONResponse(body)
+                    if item.finish_reason == "error":
+                        return APIError(500, item.error, type="server_error").response()
+                    answer.add(item)
+                    if item.finished:
+                        return JSONResponse(answer.whole())
 
             return WhenDone(collect, on_disconnect=lambda: state.loop.abort(rid))
 
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def event(choices: list, **extra) -> str:
-            body = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": choices}
-            return f"data: {json.dumps(body | extra, ensure_ascii=False)}\n\n"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events():
-            finished, n_out = False, 0
+            finished = False
             try:
                 if chat:
-                    yield event(
-                        [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "finish_reason": None,
-                                "logprobs": None,
-                            }
-                        ]
-                    )
+                    yield answer.chunk({"role": "assistant", "content": ""}, None, [])
                 while not finished:
-                    item = await q.get()
-                    if isinstance(item, Refused):
-                        yield f"data: {json.dumps(item.error().body())}\n\n"
+                    item = await next_item(q)
+                    if isinstance(item, Refused) or item.finish_reason == "error":
+                        error = (
+                            item.error()
+                            if isinstance(item, Refused)
+                            else APIError(500, item.error, type="server_error")
+                        )
                         finished = True
+                        yield f"data: {json.dumps(error.body())}\n\n"
                         break
-                    n_out += len(item.new_token_ids)
+                    answer.add(item)
                     finished = item.finished
                     if not item.text_delta and not finished:
                         continue  # a token that completes no character yet (or is held by a stop)
-                    choice: dict[str, Any] = {"index": 0, "finish_reason": item.finish_reason}
-                    choice["logprobs"] = None
-                    if chat:
-                        choice["delta"] = {"content": item.text_delta} if item.text_delta else {}
-                    else:
-                        choice["text"] = item.text_delta
-                    if req.return_token_ids:
-                        choice["token_ids"] = item.new_token_ids
-                    yield event([choice], **({"usage": None} if include_usage else {}))
-                if include_usage:
-                    yield event([], usage=usage(n_out))
+                    yield answer.chunk(item.text_delta, item.finish_reason, item.new_token_ids, include_usage)
+                else:
+                    if include_usage:
+                        yield answer.usage_chunk()
                 yield "data: [DONE]\n\n"
             finally:
                 if not finished:
@@ -585,96 +469,121 @@ def create_app(
     return app
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events that notice a client leaving: the body runs next to a listener for
-    `http.disconnect`, and whichever ends first cancels the other, so the generator's `finally`
-    (which aborts the request) runs as soon as the client is gone, whatever the ASGI server."""
+class _Answer:
+    """One request's response, whole (`whole`) or as server-sent event chunks (`chunk`), in
+    OpenAI's completion or chat shape."""
 
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
+    def __init__(self, rid: str, model: str, chat: bool, n_prompt: int, with_ids: bool):
+        self.rid, self.model, self.chat, self.n_prompt, self.with_ids = rid, model, chat, n_prompt, with_ids
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.finish: str | None = None
 
-                async def body() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass
-                    tg.cancel_scope.cancel()
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text_delta)
+        self.token_ids.extend(out.new_token_ids)
+        self.finish = out.finish_reason
 
-                tg.start_soon(body)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()
+    def usage(self) -> dict:
+        n = len(self.token_ids)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
 
+    def _body(self, obj: str, choices: list, **extra) -> dict:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        } | extra
 
-class WhenDone(Response):
-    """A response computed by `compute()` (an awaitable returning a Response) while listening
-    for the client to leave: if it leaves first, the computation is cancelled and
-    `on_disconnect()` runs (the server aborts the request, freeing its blocks)."""
+    def whole(self) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": "".join(self.text)}
+        else:
+            choice["text"] = "".join(self.text)
+        if self.with_ids:
+            choice["token_ids"] = self.token_ids
+        return self._body("chat.completion" if self.chat else "text_completion", [choice], usage=self.usage())
 
-    def __init__(self, compute, on_disconnect):
-        self.compute, self.on_disconnect = compute, on_disconnect
-        self.background = None
+    def _event(self, choices: list, **extra) -> str:
+        body = self._body("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    async def __call__(self, scope, receive, send) -> None:
-        done = False
+    def chunk(self, delta, finish: str | None, token_ids: list[int], include_usage: bool = False) -> str:
+        """A chunk carrying delta: text (or, for chat's first chunk, a whole delta dict)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+        else:
+            choice["text"] = delta
+        if self.with_ids and not isinstance(delta, dict):
+            choice["token_ids"] = token_ids
+        return self._event([choice], **({"usage": None} if include_usage else {}))
 
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            tg.cancel_scope.cancel()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(listen)
-                response = await self.compute()
-                done = True
-                tg.cancel_scope.cancel()
-        finally:
-            if not done:
-                self.on_disconnect()
-        if done:
-            await response(scope, receive, send)
+    def usage_chunk(self) -> str:
+        return self._event([], usage=self.usage())
 
 
 # --- running it ---------------------------------------------------------------------------------
 
 
-class ServerThread:
-    """uvicorn serving `app` on a background thread, for tests and notebooks:
+def drain(state: ServerState, timeout: float) -> int:
+    """A graceful stop's first half: refuse new work, let what is in flight finish for up to
+    `timeout` seconds, then end the rest with an error. Returns how many were cut."""
+    loop = state.loop
+    if loop is None or state.phase != "ready":
+        return 0  # still loading or warming, or failed: nothing was admitted
+    state.phase = "draining"
+    loop.accepting = False
+    deadline = time.monotonic() + timeout
+    while loop.in_flight and loop.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = loop.in_flight
+    if left and loop.alive:
+        loop.cut(f"the server shut down before this request finished (the drain timeout is {timeout:g} s)")
+        deadline = time.monotonic() + 5
+        while loop.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return left
 
-        with ServerThread(create_app(engine)) as url:     # url = "http://127.0.0.1:PORT"
-            httpx.get(url + "/health")
 
-    Port 0 picks a free port. Leaving the block shuts the server down (the lifespan stops the
-    engine loop, aborting anything still in flight)."""
+def _draining_server(config, state: ServerState, drain_timeout: float):
+    """A uvicorn server whose first SIGTERM/SIGINT drains (`drain`) and then exits; a second
+    stops at once. The signal is not re-raised afterwards, so a drained process exits 0."""
+    import uvicorn
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import socket
+    class DrainingServer(uvicorn.Server):
+        drainer: threading.Thread | None = None
 
-        import uvicorn
+        def handle_exit(self, sig, frame) -> None:
+            if self.drainer is not None:  # a second signal: stop now
+                if state.loop is not None:
+                    state.loop.cut("the server was stopped before this request finished")
+                self.should_exit = True
+                return
+            if state.phase != "ready":
+                print(f"nanoserve: stopping (the engine was {state.phase})", file=sys.stderr, flush=True)
+                self.should_exit = True
+                return
+            print(
+                f"nanoserve: draining {state.loop.in_flight} request(s), up to {drain_timeout:g} s; "
+                "signal again to stop now",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.drainer = threading.Thread(target=self._drain, name="nanoserve-drain", daemon=True)
+            self.drainer.start()
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        def _drain(self) -> None:
+            cut = drain(state, drain_timeout)
+            if cut:
+                print(f"nanoserve: {cut} request(s) cut at the drain timeout", file=sys.stderr, flush=True)
+            self.should_exit = True
 
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self.url
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
+    return DrainingServer(config)
 
 
 def serve(
@@ -683,9 +592,11 @@ def serve(
     port: int = 8000,
     api_key: str | None = None,
     max_waiting: int = 1024,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    drain_timeout: float = 30.0,
     log_level: str = "warning",
 ) -> None:
-    """Build, warm and serve until interrupted (the CLI's `nanoserve serve`). Mistakes that can be
+    """Build, warm and serve until a signal (the CLI's `nanoserve serve`). Mistakes that can be
     found before listening (a bad model directory, a port in use) raise NanoserveError; an engine
     that fails to build after the socket is open stops the server, also as a NanoserveError."""
     import socket
@@ -714,11 +625,11 @@ def serve(
         api_key=api_key,
         address=f"{host}:{port}",
         max_waiting=max_waiting,
+        max_body_bytes=max_body_bytes,
         on_failure=on_failure,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    )
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _draining_server(uv_config, app.state.nanoserve, drain_timeout)
     print(
         f"nanoserve: loading and warming; http://{host}:{port}/health says 503 until ready",
         file=sys.stderr,
@@ -727,3 +638,9 @@ def serve(
     server.run()
     if failed:
         raise NanoserveError(f"the engine failed to start ({failed[0]})")
+    builder = app.state.build_thread
+    if builder is not None and builder.is_alive():
+        # stopped while loading or warming: the build thread is inside torch, and letting the
+        # interpreter finalize under it aborts the process; nothing was admitted, so leave now
+        sys.stderr.flush()
+        os._exit(0)

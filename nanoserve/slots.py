@@ -8,8 +8,9 @@ over that window (day 54) then reads next step's numbers through the same addres
 
 For the window to be a slice, the live rows must be a prefix of the table. A sequence that
 leaves therefore hands its row to the last live sequence (one row copy), and `release` says
-which sequence moved where. Unused entries hold `sink_slot`, a legal slot no block maps, so a
-padded row (day 52) addresses something harmless even before its mask hides it.
+which sequence moved where. Unused entries hold `sink_slot` (an index inside every pool that
+belongs to no block), so a padded row (day 52) points somewhere harmless even before its mask
+hides it.
 
     t = SlotTable(max_batch=4, max_model_len=8, sink_slot=99)
     t.assign("a", [5, 6, 7]); t.assign("b", [20, 21])

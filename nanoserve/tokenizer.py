@@ -13,6 +13,7 @@ reading the GGUF and writing the directory is `weights.py`'s business. When to s
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -205,6 +206,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest vocabulary
+        entry in UTF-8 bytes (a byte-level entry of k symbols is k bytes of text, at most k
+        characters). So a text longer than n * max_token_chars surely takes more than n tokens,
+        and the server can refuse it without tokenizing it. (Assumes the normalizer deletes no
+        text, true of the byte-level and sentencepiece tokenizers of Llama-family models.)"""
+        return max(len(piece.encode()) for piece in self.backend.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token strings in it ('<|im_start|>') become their ids.

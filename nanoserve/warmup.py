@@ -1,22 +1,23 @@
-"""Pricing the capture list (day 55): what lazy capture costs a client, what warming costs startup.
+"""The warm list (day 55): record every decode graph before serving, and price the choice.
 
-A decode graph is recorded once per (rows, width) shape (`buckets.py`). Recorded lazily, the
-first step that presents a new shape pays for the recording in front of a waiting client, and a
-run presents a new width every `width_multiple` tokens it generates, so the stall recurs for the
-life of a request. Recorded at startup, every shape in the list is paid for once, before the
-server accepts anything. These functions price both sides in seconds, and read a memory budget
-as the widest shape that fits, so the list can be trimmed on both axes:
+Each (rows, width) decode shape (`buckets.py`) needs one recording. Left to the first request
+that reaches it, that recording is paid by a client mid-stream, and since a request's context
+crosses into a new width bucket every `width_multiple` tokens, one long answer meets several.
+Done at startup, the whole list is paid once, while /health still says 503. The functions here
+put both costs in seconds and turn a free-memory figure into the widest shape that fits:
 
     lazy_captures(128, 32, prompt_len=16)            -> 5     widths 32, 64, ..., 160
     warmup_seconds(warm_shapes(256, 8192, 128), 0.05) -> 28.8   576 shapes
     width_ceiling(64_000_000, rows=256, heads=32)     -> 1953   tokens of fp32 scores
 
-The arithmetic is plain functions of numbers, so a notebook can call them with numbers alone.
-The warm-up itself is `warmup_plan` (one shape's addressing over no sequences: every row padded,
-every write at the sink, every context 0, the window a view on the real slot table, the tensors
-written into the real persistent buffers) and `warm_decode`, which records one graph per shape
-from such a plan, biggest first, and returns a `WarmupReport`. A graph recorded this way froze
-the empty row tuple, so there is no batch it can be wrong about.
+They take plain numbers, so a notebook can call them without an engine. The recording side is
+`warmup_plan` and `warm_decode`. A warm plan names no sequence: each of its rows is padding,
+whose write lands in the sink slot and whose context length is 0, yet its slot window is a
+slice of the engine's own `SlotTable` and its per-row tensors sit in the engine's own
+`PersistentInputs`, because a graph keeps the addresses it was recorded with. `warm_decode`
+records one graph per shape from such plans, largest shape first, and returns a
+`WarmupReport`. What each graph froze is an empty tuple of rows, so it carries no request's
+state into later replays; the gates below check that and the rest.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def warm_shapes(
     max_width: int | None = None,
 ) -> list[tuple[int, int]]:
     """Every (rows, width) bucket, trimmed to rows <= max_rows and width <= max_width, biggest
-    first: a shared graph pool is sized by its largest member, so recording that one first
-    allocates the arena once at its final size."""
+    first. On CUDA all graphs draw from one memory pool; when the largest is recorded first,
+    every later, smaller recording fits in memory the pool already holds."""
     rows = [r for r in row_buckets(max_batch) if max_rows is None or r <= max_rows]
     widths = [w for w in width_buckets(max_model_len, width_multiple) if max_width is None or w <= max_width]
     return biggest_first((r, w) for r in rows for w in widths)

@@ -1,13 +1,16 @@
 """Block tables, the allocator's free list and ref counts, and prefix caching (blocks.py)."""
 
 import copy
+import hashlib
+import struct
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks, block_hashes
+import nanoserve.blocks
+from nanoserve.blocks import ROOT, BlockAllocator, BlockTable, NoFreeBlocks, block_hashes
 
 
 def state(alloc: BlockAllocator):
@@ -45,12 +48,53 @@ def test_slot_outside_the_table_is_refused(pos):
 def test_block_hashes_chain_over_the_whole_prefix():
     h = block_hashes([5, 6, 5, 6, 9], 2)
     assert len(h) == 2  # the partial block [9] has no hash
-    assert h[0] == hash((None, (5, 6)))
-    assert h[1] == hash((h[0], (5, 6))) and h[1] != h[0]  # same tokens, different prefix
+    sha = lambda parent, tokens: hashlib.sha256(parent + struct.pack("<2q", *tokens)).digest()
+    assert h[0] == sha(ROOT, (5, 6)) and len(h[0]) == 32
+    assert h[1] == sha(h[0], (5, 6)) and h[1] != h[0]  # same tokens, different prefix
     assert block_hashes([5, 6, 5, 6], 2) == h
     other = block_hashes([1, 6, 5, 6], 2)
     assert other[0] != h[0] and other[1] != h[1]  # equal second blocks, different prefixes
     assert block_hashes([5], 2) == []
+
+
+def cached(alloc: BlockAllocator, tokens: list[int]) -> BlockTable:
+    """A prompt admitted and its full blocks registered, as after its prefill."""
+    table = BlockTable(alloc.block_size)
+    alloc.allocate_prompt(table, tokens)
+    alloc.cache_full_blocks(table, tokens)
+    return table
+
+
+# prompts of 4-token blocks: a and b end in the same block T under different first blocks A and
+# B; c starts with b's first block, so b finds its block 0 in the cache and asks about block 1
+A, B, T, U = [1, 2, 3, 4], [5, 6, 3, 4], [7, 8, 9, 10], [11, 12, 13, 14]
+
+
+def second_block_of_b(alloc: BlockAllocator) -> tuple[BlockTable, BlockTable, BlockTable]:
+    c, a = cached(alloc, B + U + [0]), cached(alloc, A + T + [0])
+    b = BlockTable(alloc.block_size)
+    alloc.allocate_prompt(b, B + T + [0])
+    return a, b, c
+
+
+def test_equal_last_blocks_under_different_parents_never_share():
+    a, b, c = second_block_of_b(BlockAllocator(16, 4))
+    assert b.blocks[0] == c.blocks[0]  # the same first block is shared, as it should be
+    assert b.blocks[1] != a.blocks[1] and b.num_cached_tokens == 4
+
+
+def test_a_hash_collision_cannot_share_blocks(monkeypatch):
+    """A planted collision: a block hash that ignores the parent gives a's and b's second
+    blocks one name. A hit must still be refused, because the block was registered under a's
+    first block, not b's: the allocator confirms the parent hash, not only the tokens."""
+    monkeypatch.setattr(
+        nanoserve.blocks, "_chain", lambda parent, tokens: hashlib.sha256(bytes(tokens)).digest()
+    )
+    assert block_hashes(A + T, 4)[1] == block_hashes(B + T, 4)[1]  # the collision is real
+    a, b, c = second_block_of_b(BlockAllocator(16, 4))
+    assert b.blocks[0] == c.blocks[0]
+    assert b.blocks[1] != a.blocks[1], "b was given K/V computed after a different prefix"
+    assert b.num_cached_tokens == 4
 
 
 # --- allocation ------------------------------------------------------------------------------
