@@ -222,6 +222,13 @@ class Tokenizer:
         A BOS id is put in front only if `add_bos` says so, or, when it is None, if
         tokenizer_config.json's add_bos_token does.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate, not a character
+            raise ValueError(
+                f"the text has a lone surrogate at character {e.start} ({text[e.start]!r}), which is not "
+                "a character and cannot be tokenized; send valid Unicode"
+            ) from None
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos_token if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
