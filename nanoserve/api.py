@@ -9,8 +9,9 @@ penalties, logit_bias, suffix, tools, tool_choice, a `response_format` other tha
 extensions other servers take (vLLM's min_p, repetition_penalty, guided decoding, ...; see
 `ANSWER_CHANGING`). Unknown fields that change nothing (`user`, `metadata`) are ignored.
 Sizes are capped (`MAX_STOP_CHARS`, `MAX_MESSAGES`, `MAX_PARTS`), so no request can make the
-server do far more work than its context allows. Every refusal is an `APIError`, which renders
-as OpenAI's error object:
+server do far more work than its context allows, and `BodyLimit` (ASGI middleware) answers 413
+to a body over the server's cap before it is parsed. Every refusal is an `APIError`, which
+renders as OpenAI's error object:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
@@ -21,7 +22,7 @@ import json
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --- errors --------------------------------------------------------------------------------------
@@ -224,3 +225,49 @@ def check_supported(req: _Common) -> None:
             raise APIError(
                 400, f"'{name}' is not supported by this server and would change the answer", param=name
             )
+
+
+# --- the body cap -------------------------------------------------------------------------------
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 with an error object. A declared
+    Content-Length over the cap is refused before anything is read; a body without one (chunked)
+    is read up to the cap first and refused as soon as it crosses it, then handed on whole."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self, size: str) -> Response:
+        message = f"the request body is {size}; this server takes at most {self.max_bytes:,} bytes"
+        return APIError(413, message, code="request_too_large").response()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._too_large(f"{int(length):,} bytes")(scope, receive, send)
+            return await self.app(scope, receive, send)  # the server stops at the length it declared
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(f"over {self.max_bytes:,} bytes")(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only http.disconnect can come
+
+        await self.app(scope, replay, send)

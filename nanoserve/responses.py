@@ -9,12 +9,21 @@ minutes. Both classes therefore run the work next to a listener for `http.discon
   engine) runs as soon as the client is gone.
 * `WhenDone`: a JSON answer computed while listening; a client that leaves first cancels the
   computation and `on_disconnect()` aborts the request.
+
+`Answer` is what both carry: one request's outputs in OpenAI's completion or chat shape, whole
+or as server-sent event chunks.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from typing import Any
+
 import anyio
 from fastapi.responses import Response, StreamingResponse
+
+from nanoserve.engine import RequestOutput
 
 
 class EventStream(StreamingResponse):
@@ -68,3 +77,61 @@ class WhenDone(Response):
                 self.on_disconnect()
         if done:
             await response(scope, receive, send)
+
+
+class Answer:
+    """One request's response, whole (`whole`) or as server-sent event chunks (`chunk`), in
+    OpenAI's completion or chat shape."""
+
+    def __init__(self, rid: str, model: str, chat: bool, n_prompt: int, with_ids: bool):
+        self.rid, self.model, self.chat, self.n_prompt, self.with_ids = rid, model, chat, n_prompt, with_ids
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.finish: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.text_delta)
+        self.token_ids.extend(out.new_token_ids)
+        self.finish = out.finish_reason
+
+    def usage(self) -> dict:
+        n = len(self.token_ids)
+        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
+
+    def _body(self, obj: str, choices: list, **extra) -> dict:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        } | extra
+
+    def whole(self) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": "".join(self.text)}
+        else:
+            choice["text"] = "".join(self.text)
+        if self.with_ids:
+            choice["token_ids"] = self.token_ids
+        return self._body("chat.completion" if self.chat else "text_completion", [choice], usage=self.usage())
+
+    def _event(self, choices: list, **extra) -> str:
+        body = self._body("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunk(self, delta, finish: str | None, token_ids: list[int], include_usage: bool = False) -> str:
+        """A chunk carrying delta: text (or, for chat's first chunk, a whole delta dict)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if self.chat:
+            choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+        else:
+            choice["text"] = delta
+        if self.with_ids and not isinstance(delta, dict):
+            choice["token_ids"] = token_ids
+        return self._event([choice], **({"usage": None} if include_usage else {}))
+
+    def usage_chunk(self) -> str:
+        return self._event([], usage=self.usage())

@@ -38,7 +38,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -51,16 +50,17 @@ from nanoserve.api import (
     MAX_STOP,
     MAX_STOP_CHARS,
     APIError,
+    BodyLimit,
     ChatRequest,
     CompletionRequest,
     check_supported,
     validation_message,
 )
-from nanoserve.engine import Engine, RequestOutput
+from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
 from nanoserve.loop import EngineLoop, Refused
 from nanoserve.metrics import Metrics
-from nanoserve.responses import EventStream, WhenDone
+from nanoserve.responses import Answer, EventStream, WhenDone
 from nanoserve.sampling import SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20  # the default request-body cap: far above any prompt a context holds
@@ -110,49 +110,6 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
         f"{p.num_blocks} blocks x {p.block_size} = {p.num_slots:,} tokens, {pool_mb:.1f} MB"
         f" · warm list {warm}{where}"
     )
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 with an error object. A declared
-    Content-Length over the cap is refused before anything is read; a body without one (chunked)
-    is read up to the cap first and refused as soon as it crosses it, then handed on whole."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    def _too_large(self, size: str) -> Response:
-        message = f"the request body is {size}; this server takes at most {self.max_bytes:,} bytes"
-        return APIError(413, message, code="request_too_large").response()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) > self.max_bytes:
-                return await self._too_large(f"{int(length):,} bytes")(scope, receive, send)
-            return await self.app(scope, receive, send)  # the server stops at the length it declared
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before its body was complete
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large(f"over {self.max_bytes:,} bytes")(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: only http.disconnect can come
-
-        await self.app(scope, replay, send)
 
 
 def create_app(
@@ -413,7 +370,7 @@ def create_app(
         first = await next_item(q)
         if isinstance(first, Refused):
             raise first.error()
-        answer = _Answer(rid, eng.model_name, chat, n_prompt, req.return_token_ids)
+        answer = Answer(rid, eng.model_name, chat, n_prompt, req.return_token_ids)
         if not req.stream:
 
             async def collect() -> Response:
@@ -467,64 +424,6 @@ def create_app(
         )
 
     return app
-
-
-class _Answer:
-    """One request's response, whole (`whole`) or as server-sent event chunks (`chunk`), in
-    OpenAI's completion or chat shape."""
-
-    def __init__(self, rid: str, model: str, chat: bool, n_prompt: int, with_ids: bool):
-        self.rid, self.model, self.chat, self.n_prompt, self.with_ids = rid, model, chat, n_prompt, with_ids
-        self.created = int(time.time())
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.finish: str | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.text.append(out.text_delta)
-        self.token_ids.extend(out.new_token_ids)
-        self.finish = out.finish_reason
-
-    def usage(self) -> dict:
-        n = len(self.token_ids)
-        return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n}
-
-    def _body(self, obj: str, choices: list, **extra) -> dict:
-        return {
-            "id": self.rid,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        } | extra
-
-    def whole(self) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": "".join(self.text)}
-        else:
-            choice["text"] = "".join(self.text)
-        if self.with_ids:
-            choice["token_ids"] = self.token_ids
-        return self._body("chat.completion" if self.chat else "text_completion", [choice], usage=self.usage())
-
-    def _event(self, choices: list, **extra) -> str:
-        body = self._body("chat.completion.chunk" if self.chat else "text_completion", choices, **extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def chunk(self, delta, finish: str | None, token_ids: list[int], include_usage: bool = False) -> str:
-        """A chunk carrying delta: text (or, for chat's first chunk, a whole delta dict)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if self.chat:
-            choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-        else:
-            choice["text"] = delta
-        if self.with_ids and not isinstance(delta, dict):
-            choice["token_ids"] = token_ids
-        return self._event([choice], **({"usage": None} if include_usage else {}))
-
-    def usage_chunk(self) -> str:
-        return self._event([], usage=self.usage())
 
 
 # --- running it ---------------------------------------------------------------------------------
