@@ -13,7 +13,7 @@
                 warmed server against a lazily capturing one on a fresh start: the first
                 request's TTFT and the stall over one long generation.
     admission   the throughput workload under a small KV pool: admission with the watermark
-                (a block kept free for every running request's next token, plus 1% of the
+                (a block kept free for every running request's next token, plus 5% of the
                 pool) against the earlier policy that hands a prompt the last free blocks;
                 preemptions, recomputed tokens and tokens/s of each.
 
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-budget", default="64MiB", help="a pool far smaller than the workload wants")
-    p.add_argument("--watermark", type=float, default=0.01)
+    p.add_argument("--watermark", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None)

@@ -136,9 +136,9 @@ def build_parser() -> Parser:
     p.add_argument(
         "--watermark",
         type=float,
-        default=0.01,
+        default=0.05,
         help="share of the KV pool admission keeps free beyond the running requests' next tokens, so "
-        "a new prompt is not preempted on the next step (default: 0.01)",
+        "a new prompt is not preempted on the next step (default: 0.05)",
     )
     p.add_argument(
         "--log-level",

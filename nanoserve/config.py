@@ -21,8 +21,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
     enable_prefix_caching: bool = True
     # admission keeps a block free for each running sequence's next token plus this share of the
-    # pool (scheduler.py); None admits into the last free blocks (the earlier policy)
-    watermark: float | None = 0.01
+    # pool (scheduler.py); None admits into the last free blocks (the earlier policy). 5%, not
+    # vLLM's 1%: 1% of a CPU pool of ~100 blocks rounds to nothing (bench admission measures it)
+    watermark: float | None = 0.05
     threads: int | None = None  # CPU threads for torch; None: leave torch's default
     # decode at fixed addresses (days 51-53): pad each decode batch to a (rows, width) bucket,
     # addressed through the slot table; with persist_inputs, through buffers written in place

@@ -16,7 +16,10 @@ running set, and every step returns either a prefill batch or a decode batch:
 
 The reserve (day 28's watermark): a prompt is admitted only if, after its blocks (and the block
 its first generated token will need), the free list still holds a block for every running
-sequence whose next token starts a new block, plus `watermark` of the pool (vLLM keeps 1%).
+sequence whose next token starts a new block, plus `watermark` of the pool (5% by default;
+vLLM keeps 1%, but its GPU pools run to thousands of blocks, and 1% of the ~100-block pools a
+CPU serves rounds to nothing: on the throughput workload over 90 blocks, 1% took preemptions
+from 34 to 27, 5% to 5, for 1% more steps).
 Without it, a prompt could take the last free blocks and the very next decode step would
 preempt it, the newest, throwing its prefill away, over and over under a tight pool. With
 nothing running the reserve is 0, so a prompt as long as the pool is still admitted.
@@ -92,7 +95,7 @@ class Scheduler:
         allocator: BlockAllocator,
         max_batch: int,
         max_num_batched_tokens: int,
-        watermark: float | None = 0.01,
+        watermark: float | None = 0.05,
     ):
         self.allocator = allocator
         self.max_batch = max_batch

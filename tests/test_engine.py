@@ -121,7 +121,10 @@ def test_preemption_finishes_everything_with_the_same_tokens(tiny_model):
     reqs = random_requests(12, tiny_model.cfg.vocab_size, seed=2, min_len=20, max_len=40, max_tokens=(20, 40))
     roomy = run_all(tiny_engine(tiny_model), reqs)
     per_block = tiny_model.cfg.kv_bytes_per_token(torch.float32) * 4
-    tight = tiny_engine(tiny_model, kv_budget=per_block * 64 + per_block // 4, max_model_len=256)
+    # the earlier admission policy (no reserve), so this pool surely preempts
+    tight = tiny_engine(
+        tiny_model, kv_budget=per_block * 64 + per_block // 4, max_model_len=256, watermark=None
+    )
     squeezed = run_all(tight, reqs)
     assert tight.scheduler.num_preemptions > 0, "the pool was meant to be too small for all at once"
     ties = []

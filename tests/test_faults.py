@@ -302,7 +302,7 @@ def test_a_just_admitted_prompt_is_not_the_next_one_preempted():
     assert b.num_preemptions == 1 and old.num_preemptions == 1, "the earlier policy did not thrash here"
     assert old.recomputed_tokens == 15  # b's whole prefill, thrown away
 
-    new, a, b = tight_pool(watermark=0.01)
+    new, a, b = tight_pool(watermark=EngineConfig.watermark)
     first = new.schedule()
     assert not first.chunks and first.decode == [a], "b was admitted into a's next block"
     assert new.reserve() == 0 or new.waiting[0] is b
@@ -323,7 +323,7 @@ def test_the_watermark_cuts_preemptions_on_a_tight_pool(tmp_path):
     reqs = throughput_workload(48, (8, 96), (8, 64), model.cfg.vocab_size, seed=1)
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
     counts, tokens = {}, {}
-    for watermark in (None, 0.01):
+    for watermark in (None, EngineConfig.watermark):
         config = EngineConfig(max_batch=16, max_model_len=256, kv_budget=per_block * 24, watermark=watermark)
         engine = Engine(model, None, config)
         params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in reqs]
@@ -331,9 +331,10 @@ def test_the_watermark_cuts_preemptions_on_a_tight_pool(tmp_path):
         counts[watermark] = (engine.scheduler.num_preemptions, engine.scheduler.recomputed_tokens)
         tokens[watermark] = [o.token_ids for o in outs]
         assert engine.allocator.num_used == 0
-    print(f"preemptions, recomputed tokens: without {counts[None]}, with the watermark {counts[0.01]}")
-    assert counts[0.01][0] < counts[None][0] and counts[0.01][1] < counts[None][1]
-    assert tokens[None] == tokens[0.01]
+    new = EngineConfig.watermark
+    print(f"preemptions, recomputed tokens: without {counts[None]}, with the watermark {counts[new]}")
+    assert counts[new][0] < counts[None][0] and counts[new][1] < counts[None][1]
+    assert tokens[None] == tokens[new]
 
 
 # --- limits ------------------------------------------------------------------------------------------
