@@ -1,14 +1,15 @@
 # The README's commands. Each target does its own set-up on a fresh machine.
 #   make serve  the main job: set up, fetch the default model, warm, serve it on 127.0.0.1:8000
-#   make test   set up, fetch the default model, ruff + pytest + the notebooks under nbval
+#   make test   set up, fetch the default model, ruff + the book + pytest + the notebooks under nbval
 #   make chat   chat with the default model in the terminal
+#   make book   the course as a static site in build/site (book/build.py; executes nothing)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model serve chat generate test lint unit notebooks-test notebooks bench clean
+.PHONY: setup model serve chat generate test lint book unit notebooks-test notebooks bench clean
 
 setup: $(STAMP)
 
@@ -50,7 +51,15 @@ notebooks-test: model
 	if [ "$$before" != "$$after" ]; then echo "running the notebooks changed the tree:"; git status --short; exit 1; fi; \
 	exit $$rc
 
-test: lint unit notebooks-test
+# The course as a book: book/build.py lays the executed notebooks and the journal out as pages
+# under build/book and runs `mkdocs build --strict`, which fails on a broken link or a missing
+# page. MkDocs + Material because a notebook converted to Markdown is then one page with its
+# journal entry, and strict validation checks every link of it (mkdocs-jupyter renders
+# notebooks outside Markdown, where no link is checked).
+book: setup
+	$(BIN)/python book/build.py
+
+test: lint book unit notebooks-test
 
 # Re-sync every notebook from its .py source and execute it in place (writes diagrams/).
 notebooks: model

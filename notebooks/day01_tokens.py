@@ -85,6 +85,9 @@ def spell(text: str) -> str:
     return "".join(ALPHABET[b] for b in text.encode("utf-8"))
 
 
+moved_up = [b for b, c in ALPHABET.items() if ord(c) >= 256]
+print(f"{256 - len(moved_up)} bytes stand for themselves, {len(moved_up)} move up; a space is {ALPHABET[32]}")
+assert len(moved_up) == 68 and ALPHABET[32] == "\u0120"
 for text in [" the", "naïve", "\n\n", "🚀"]:
     print(f"{text!r:9} bytes {text.encode('utf-8').hex(' '):14} -> {spell(text)!r}")
 
@@ -121,17 +124,20 @@ print(f"start        {' '.join(word)}")
 for rank, _, step in trace:
     print(f"merge #{rank:<5} {' '.join(step)}")
 ids = [vocab[p] for p in parts]
+print(len(word), "characters,", len(trace), "merges,", len(parts), "tokens")
 print("ids:", ids, "| Tokenizer.encode:", tok.encode(" tokenization"))
-assert ids == tok.encode(" tokenization")
+assert ids == tok.encode(" tokenization") and (len(word), len(trace), len(parts)) == (13, 11, 2)
 
 # %% [markdown]
-# Eleven merges turn thirteen characters into two tokens. The early merges (`o n`, `a t`, `e n`)
-# are the most frequent pairs of the training corpus; the late ones build whole words.
+# Eleven merges turn thirteen characters into two tokens. A merge's rank is the order in which
+# training learned it, so the low ranks that act first here (`Ġ t` #0, `o n` #6, `a t` #9, `e n`
+# #12) are pairs that were common everywhere, and the last two (#2769, #9372) assemble the word.
 #
 # Whole texts are first cut into pieces (the *pre-tokenizer*: roughly words with their leading
 # space, runs of punctuation, runs of whitespace) and BPE runs inside each piece, never across.
-# With the library's pre-tokenizer doing the cutting, the eight-line `bpe` above reproduces
-# `Tokenizer.encode` on every text of the day, CJK and emoji included.
+# With the library's pre-tokenizer doing the cutting, the short `bpe` loop above reproduces
+# `Tokenizer.encode` on the seven texts of the day's table (Chinese, Japanese and emoji among
+# them) and on three awkward ones: whitespace runs with a tab, 200 repeated letters, quotes.
 
 
 # %%
@@ -156,6 +162,7 @@ print(f"minimal BPE == Tokenizer.encode on {len(checked)} texts")
 # %%
 added = tok.backend.get_added_tokens_decoder()
 print(len(added), "added tokens, all special:", all(t.special for t in added.values()))
+assert sorted(added) == list(range(17)) and all(t.special for t in added.values())
 print({i: added[i].content for i in sorted(added)})
 
 ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
@@ -179,13 +186,13 @@ assert typed.count(2) == 3  # system turn end, the typed one, user turn end
 # ## 4. The smollm digit split
 #
 # The GGUF names its pre-tokenizer `smollm`: before GPT-2's split, every numeric character is
-# cut off on its own (`Digits(individual_digits=True)`). GPT-2's split alone keeps a space glued
+# cut off on its own (`Digits` with `individual_digits`). GPT-2's split alone keeps a space glued
 # to the digits that follow (`Ġ2024`). For ASCII digits the ids come out the same anyway, because
-# no merge in the list involves an ASCII digit: each digit stays a token. For other numerals
-# (`½`, `³`) the space merges differently.
+# no merge in the list involves an ASCII digit: each digit stays a token. For a numeral outside
+# ASCII, `½` below, the space merges differently.
 
 # %%
-print("pre-tokenizer:", [p["type"] for p in spec["pre_tokenizer"]["pretokenizers"]])
+print("pre-tokenizer:", spec["pre_tokenizer"]["pretokenizers"])
 gpt2_only = Backend.from_str(tok.backend.to_str())
 gpt2_only.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
 digit_merges = sum(any(c in "0123456789" for c in a + b) for a, b in spec["model"]["merges"])
@@ -227,21 +234,27 @@ assert env.from_string(source).render(messages=with_system, add_generation_promp
 
 # %% [markdown]
 # The prompt ends with `<|im_start|>assistant\n`: the model's next token is the first of its
-# answer. Its ids (the template writes the BOS itself, so `encode_chat` adds none):
+# answer. Its ids (the template writes the BOS itself, so `encode_chat` adds none), and what the
+# 37 of them are spent on:
 
 # %%
 chat_ids = tok.encode_chat(messages)
 print(len(chat_ids), "ids:", chat_ids)
 print([tok.decode([i], skip_special_tokens=False) for i in chat_ids])
 assert chat_ids == tok.encode(rendered, add_bos=False) and chat_ids.count(tok.bos_id) == 3
+system_turn = chat_ids[: chat_ids.index(2) + 2]  # through the first <|im_end|> and its newline
+question = tok.encode(messages[0]["content"])
+print(f"default system turn {len(system_turn)} tokens, question {len(question)}, of {len(chat_ids)}")
+assert (len(system_turn), len(question), len(chat_ids)) == (21, 7, 37)
+assert chat_ids[len(system_turn) + 3 : len(system_turn) + 3 + len(question)] == question
 
 # %% [markdown]
 # ## 6. Streaming text out: the incremental detokenizer
 #
 # Generation produces one id at a time, and the user wants text as it comes. But a token is a
-# run of *bytes*, and an emoji is four of them: SmolLM2 spells `🚀` as three tokens, none of
-# them a whole character. Decoding each token on its own prints U+FFFD where the pieces of a
-# character should be.
+# run of *bytes*, and an emoji is four of them: after a space, SmolLM2 spells ` 🚀` as three
+# tokens (bytes `20 f0 9f`, `9a`, `80`), and none of the three decodes to whole text on its own.
+# Decoding each token alone prints U+FFFD where the pieces of a character should be.
 #
 # `IncrementalDetokenizer` decodes a short window of recent ids and holds back while the window
 # ends in an unfinished character, so every piece it emits is final text.
@@ -264,6 +277,8 @@ for i in stream_ids:
     )
 tail = detok.flush()
 assert detok.text == stream_text and tail == ""
+assert [tok.decode([i]) for i in stream_ids[3:6]] == [" " + REPLACEMENT, REPLACEMENT, REPLACEMENT]
+assert emitted[3:6] == ["", "", " 🚀"] and max(held_bytes) == 4
 
 # %% [markdown]
 # The gate that matters is "every emitted piece is whole text, and the pieces add up to the
@@ -304,11 +319,12 @@ assert detok.text == tok.decode(cut)
 # %% [markdown]
 # ## 7. The day's table: what a token costs
 #
-# `days/day01/tokenstats.py` tokenizes a fixed set of texts. English packs four bytes into a
-# token; digits are one token each by construction; Chinese and Japanese characters are three
-# UTF-8 bytes and most of them are split across tokens (`partial_tokens`: tokens that are not a
-# whole character on their own). The chat row is the one-question prompt above: 37 tokens, of
-# which the question is 7 and the default system turn 21.
+# `days/day01/tokenstats.py` tokenizes a fixed set of texts. English packs about four bytes
+# into a token (4.11); the numbers row drops to 1.55, since every digit is a token of its own;
+# every Chinese and Japanese character is three UTF-8 bytes, and most of their tokens are only
+# part of a character (`partial_tokens`: tokens that do not decode to whole text alone). The chat
+# row is the one-question prompt above: 37 tokens, of which the question is 7 and the default
+# system turn 21.
 
 # %%
 rows = tokenstats.tokenstats_rows(tok)
@@ -330,8 +346,11 @@ lengths = [token_bytes[t] for t in vocab if vocab[t] not in added]
 hist = {n: lengths.count(n) for n in range(1, max(lengths) + 1)}
 print("tokens by length in bytes:", {n: c for n, c in hist.items() if c})
 print("mean bytes per vocabulary token:", round(sum(lengths) / len(lengths), 2))
+four_to_seven = sum(hist[n] for n in range(4, 8))
+print(f"4 to 7 bytes long: {four_to_seven:,} of {len(lengths):,} ({four_to_seven / len(lengths):.0%})")
 longest = max(lengths)
 print("longest:", longest, "bytes:", [t for t in vocab if token_bytes[t] == longest])
+assert [t for t in vocab if token_bytes[t] == longest] == ["Ċ" + "Ġ" * 80]
 
 # %% [markdown]
 # ## 8. The diagram
@@ -364,7 +383,11 @@ ax = axes[1, 0]
 ax.semilogy(range(1, len(trace) + 1), [rank + 1 for rank, _, _ in trace], marker="o")
 for k, (rank, i, step) in enumerate(trace, start=1):
     ax.annotate(
-        f"{step[i]} (#{rank})", (k, rank + 1), textcoords="offset points", xytext=(-10, 8), fontsize=8
+        f"{step[i]} (#{rank})",
+        (k, rank + 1),
+        textcoords="offset points",
+        xytext=(-12, 8) if k % 2 else (4, -12),  # alternate above / below-right so labels do not collide
+        fontsize=8,
     )
 ax.set_xlabel("merge step on ' tokenization' (13 characters -> 2 tokens)")
 ax.set_ylabel("merge rank + 1 (log)")
@@ -391,3 +414,63 @@ png = diagram_path("day01-tokens.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **transformers** compiles chat templates in `_compile_jinja_template`
+#   (`src/transformers/utils/chat_template_utils.py`): an `ImmutableSandboxedEnvironment` with
+#   `trim_blocks`, `lstrip_blocks` and jinja's `loopcontrols`, and a `tojson` filter swapped for
+#   one that leaves HTML characters alone. `nanoserve.tokenizer` builds the same environment; what
+#   it leaves out is transformers' `AssistantTracker`, a `{% generation %}` tag that records which
+#   characters the assistant wrote (a training concern). transformers' streaming helper,
+#   `TextStreamer` (`generation/streamers.py`), re-decodes its cache and prints only up to the last
+#   space unless the new text ends a line, ends in a CJK character, or is only letters, marks,
+#   numbers and spaces: it holds back words, where ours holds back only unfinished characters.
+# * **vLLM** chooses a detokenizer per request in `IncrementalDetokenizer.from_new_request`
+#   (`vllm/v1/engine/detokenizer.py`). `FastIncrementalDetokenizer` drives the `tokenizers`
+#   library's own `DecodeStream`; `SlowIncrementalDetokenizer` keeps a `prefix_offset` and a
+#   `read_offset` into the ids, the two-offset window our `IncrementalDetokenizer` uses. The fast
+#   one first steps the stream through the shortest tail of the prompt (at least four tokens, at
+#   most 23) that decodes without U+FFFD, so the first generated token is decoded in context;
+#   ours starts from the first generated token. With stop strings that must not be shown it also
+#   holds back the longest stop string's length minus one characters.
+# * **llama.cpp** runs BPE in its own C++ (`src/llama-vocab.cpp`). `llm_tokenizer_bpe` picks a
+#   list of split regexes from the GGUF's `tokenizer.ggml.pre`; `LLAMA_VOCAB_PRE_TYPE_SMOLLM`
+#   shares StarCoder's list, `\p{N}` first and GPT-2's pattern second: the `Digits` then
+#   `ByteLevel` sequence of section 4. Its merges come off a priority queue ordered by rank
+#   (`llm_bigram_bpe`) rather than from the rescan of every pair our `bpe` does per merge.
+# * **transformers' GGUF loader** has no `smollm` entry in its split table
+#   (`GGUF_PRE_TOKENIZER_SPLITS`, `integrations/gguf/gguf_tokenizer_mapping.py`, in the 5.24
+#   installed here), so a tokenizer it builds from this GGUF does not cut numerals off first;
+#   `tests/test_tokenizer.py::test_numbers_are_split_one_by_one_unlike_transformers_gguf` pins
+#   the ids that differ (` ½` among them).
+# * **nano-vllm** does not stream: `LLMEngine` (`nanovllm/engine/llm_engine.py`) loads
+#   `AutoTokenizer`, encodes each prompt, and calls `decode` once per finished sequence; its
+#   `example.py` renders the chat template through transformers' `apply_chat_template`.
+#
+# ## Try it
+#
+# 1. **Break the detokenizer on purpose.** In a new cell, make it emit every token at once:
+#
+#    ```python
+#    from nanoserve.tokenizer import IncrementalDetokenizer
+#    def eager(self, token_id):
+#        self.ids.append(int(token_id))
+#        return self._emit(self._decode(self.ids[self.prefix :]))
+#    IncrementalDetokenizer.add = eager
+#    ```
+#
+#    and rerun section 6's gate cell: `check_pieces_whole` raises `6 of 14 pieces are broken
+#    characters`. The package's tests catch it too: put the same lines inside
+#    `def pytest_configure(config):` in a file `breakdetok.py` and run
+#    `PYTHONPATH=. pytest -p breakdetok tests/test_tokenizer.py -k "emoji or streamed"`: two of
+#    the three tests fail. Restart the kernel to undo the patch.
+# 2. **Compare with the library's decoder.** `tokenizers.decoders.DecodeStream(skip_special_tokens=True)`
+#    has `step(tokenizer, id)`, which returns the new text or `None`. Step it through `stream_ids`
+#    with `tok.backend` and assert `[piece or "" for piece in pieces] == emitted` (the list section
+#    6 recorded). It holds: this is the object vLLM's fast detokenizer wraps.
+# 3. **Price a text of your own.** `python days/day01/tokenstats.py --text mine=FILE --out
+#    /tmp/stats.csv` adds a row named `mine` before the chat row. Its `round_trip` must be `yes`,
+#    and `grep -v '^mine,' /tmp/stats.csv | diff - days/day01/day-01-tokenstats.csv` must print
+#    nothing: the other rows do not move.

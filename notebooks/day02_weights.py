@@ -148,6 +148,13 @@ types = collections.Counter(t.tensor_type.name for t in reader.tensors)
 embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
 assert len(reader.tensors) == 272 and types == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
 assert embd.tensor_type.name == "Q8_0"
+by_type = {r["type"]: r for r in rows}
+file_bytes = GGUF_PATH.stat().st_size
+print(
+    f"of the {file_bytes:,}-byte file: Q4_1 {by_type['Q4_1']['gguf_bytes'] / file_bytes:.0%},",
+    f"the Q8_0 embedding {by_type['Q8_0']['gguf_bytes'] / file_bytes:.0%},",
+    f"F32 norms {by_type['F32']['gguf_bytes'] / file_bytes:.1%}",
+)
 
 # %%
 print(f"{'GGUF name':28} {'type':5} {'GGUF shape':12} {'bytes as rows':14} {'Hugging Face name'}")
@@ -210,8 +217,12 @@ blocks = E.reshape(-1, 32)
 steps = (blocks.max(axis=1) - blocks.min(axis=1)) / 15  # each block's d
 err_in_steps = ((E4 - E).reshape(-1, 32) / np.maximum(steps[:, None], 1e-12)).ravel()
 rel_rms = float(np.sqrt(np.mean((E4 - E) ** 2)) / np.sqrt(np.mean(E**2)))
+lo, hi = blocks.argmin(axis=1), blocks.argmax(axis=1)
+ends = np.abs(err_in_steps.reshape(-1, 32)[np.arange(len(blocks))[:, None], np.stack([lo, hi], 1)])
 print("every error within 0.52 d:", bool(np.abs(err_in_steps).max() < 0.52))
-print("RMS error below 10% of the RMS weight:", rel_rms < 0.10)
+print(f"RMS error {rel_rms:.1%} of the RMS weight")
+print(f"each block's min and max weight: off by at most {ends.max():.2f} d (median {np.median(ends):.3f} d)")
+assert np.abs(err_in_steps).max() < 0.52 and rel_rms < 0.10 and ends.max() < 0.02
 
 # %% [markdown]
 # ## 4. The rotary permutation
@@ -219,14 +230,19 @@ print("RMS error below 10% of the RMS weight:", rel_rms < 0.10)
 # Rotary embeddings rotate pairs of coordinates inside each head. Hugging Face's Llama pairs
 # coordinate `i` with `i + head_dim/2` (the two halves); llama.cpp pairs `2i` with `2i+1`
 # (neighbours). So llama.cpp's converter reorders the rows of `W_q` and `W_k`, head by head, to
-# make the halves interleave. Here is its permutation (from `convert_hf_to_gguf.py`) on a tiny
-# matrix of 2 heads of dimension 8 whose rows are labelled with their Hugging Face index:
+# make the halves interleave: GGUF row `2i` of a head is Hugging Face row `i`, GGUF row `2i+1` is
+# row `i + half`. Written as an index list (llama.cpp's `LlamaModel.permute` does it with a
+# reshape), on a tiny matrix of 2 heads of dimension 8 whose rows hold their Hugging Face index:
 
 
 # %%
 def llamacpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF rows -> GGUF rows: per head, (2, half) -> (half, 2), i.e. rows 0, 4, 1, 5, ... for dim 8."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    """HF rows -> GGUF rows: inside each head, rows 0, half, 1, half + 1, ... (0, 4, 1, 5, ... for dim 8)."""
+    per_head = w.shape[0] // n_heads
+    half = per_head // 2
+    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()  # (per_head,)
+    order = (torch.arange(n_heads)[:, None] * per_head + within).flatten()  # (rows,)
+    return w[order]
 
 
 hf_rows = torch.arange(16.0)[:, None].repeat(1, 3)  # (16, 3): row i holds i
@@ -365,6 +381,7 @@ print(
     "| parameters x 4 =",
     f"{rows[-1]['fp32_bytes']:,}",
 )
+print(f"model.safetensors is {st.stat().st_size / file_bytes:.1f} times the GGUF")
 assert st.stat().st_size == 8 + header_len + data_bytes == 538_090_408
 assert data_bytes == rows[-1]["fp32_bytes"] and len(tensors) == 272
 
@@ -435,3 +452,47 @@ png = diagram_path("day02-weights.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **llama.cpp** defines the blocks of section 3 as C structs in `ggml/src/ggml-common.h`:
+#   `block_q4_1` is two `ggml_half` (`d`, `m`) and `uint8_t qs[QK4_1 / 2]`, `block_q8_0` one
+#   `ggml_half d` and `int8_t qs[QK8_0]`, each with a `static_assert` on its size (20 and 34
+#   bytes). The Q/K reordering of section 4 is `LlamaModel.permute` in `convert_hf_to_gguf.py`,
+#   applied in `modify_tensors` to `q_proj` with the head count and to `k_proj` with the KV-head
+#   count; `unpermute_rotary_rows` is its inverse. The tie is in `src/models/llama.cpp`:
+#   `load_arch_tensors` falls back to `token_embd` (as `TENSOR_DUPLICATED`) when the file has no
+#   `output.weight`.
+# * **transformers** converts the way we do: `load_gguf_checkpoint`
+#   (`src/transformers/modeling_gguf_pytorch_utils.py`) runs gguf's `dequantize` on every tensor,
+#   and `LlamaTensorProcessor._reverse_permute_weights` undoes the row order for `.attn_q.` and
+#   `.attn_k.`. It is the reference `tests/test_weights.py` holds our directory to, bit for bit.
+# * **vLLM** keeps the weights quantized. `GGUFModelLoader`
+#   (`vllm/model_executor/model_loader/gguf_loader.py`) maps names through gguf-py's
+#   `get_tensor_name_map` rather than a table of its own like our `hf_name`, and
+#   `GGUFLinearMethod` (`layers/quantization/gguf.py`) multiplies straight from the blocks
+#   (`ggml_mul_mat_vec_a8` for a few rows, `ggml_mul_mat_a8` for more), dequantizing to a dense
+#   matrix only for types without such a kernel. It does not undo the Q/K order either:
+#   `LlamaAttention._init_rotary_emb` (`models/llama.py`) sets `is_neox_style = False` for a
+#   llama GGUF, so it rotates neighbouring pairs on GGUF rows, the other correct pairing of
+#   section 4.
+# * **nano-vllm** reads safetensors only: `load_model` (`nanovllm/utils/loader.py`) opens each
+#   file with `safe_open` and sends `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj` through
+#   the model's `packed_modules_mapping` into fused parameters, which Day 7 meets in our model.
+#
+# ## Try it
+#
+# 1. **Break the conversion on purpose.** In section 5's loop, unpermute Q with
+#    `config["num_key_value_heads"]` (3) instead of `config["num_attention_heads"]` (9). Nothing
+#    complains about shapes (576 rows split into 3 heads of 192 as happily as into 9 of 64), and
+#    `check_same_tensors(converted, on_disk)` raises `30 of 272 tensors differ`, every one a
+#    `q_proj`.
+# 2. **Dequantize a whole tensor.** Extend section 3 from one block to all of `blk.0.attn_q`:
+#    view `np.array(wq.data)`, (576, 360) bytes, as (576, 18, 20) blocks, take `d` and `m` from
+#    bytes 0:2 and 2:4 (copy them before `.view(np.float16)`), the nibbles from bytes 4:20, and
+#    assert that your (576, 576) result `np.array_equal`s `dequantize(wq.data, wq.tensor_type)`.
+# 3. **Convert to bf16.** `python days/day02/convert.py --convert /tmp/smol-bf16 --dtype bfloat16
+#    --out /tmp/t.csv`, then read its `model.safetensors` header as section 5 does: every dtype
+#    must be `BF16` and the data bytes must sum to 269,030,016, the `bf16_bytes` of the table's
+#    total row.

@@ -19,8 +19,8 @@
 # Day 50 ended on a rule: a recorded step computes the next step only if every tensor it reads
 # is the *same storage* with new numbers written into it. The largest of those tensors is the
 # slot window, `(rows, width)`: for each row, the KV slot of every position it attends to.
-# Today `plan_decode` builds it anew every step by gathering block ids from the block tables
-# (`nanoserve.plan.slot_window`): new storage each time, so no graph could replay it.
+# Until now `plan_decode` has built it anew every step by gathering block ids from the block
+# tables (`nanoserve.plan.slot_window`): new storage each time, so no graph could replay it.
 #
 # `nanoserve.slots.SlotTable` is one `[max_batch, max_model_len]` int64 tensor, allocated once,
 # where row r holds the slots of the sequence that owns row r. Sequences write their new slot in
@@ -49,6 +49,7 @@ import numpy as np
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
+from nanoserve.capture import HostGraph
 from nanoserve.course import REPO, diagram_path
 from nanoserve.errors import GateError
 from nanoserve.plan import (
@@ -151,10 +152,12 @@ assert moved == ("c", 2, 1) and before[2].tolist() == [30, 31, 32, 33, 99, 99, 9
 # %% [markdown]
 # ## 4. Padding, the sink, and a table that moves
 #
-# A padded row (Day 52 decides how many) reads a row past the live prefix: all sink. The sink
-# slot is one past the pool the allocator hands out, a legal address that no block maps, so a
-# padded row that writes or reads through its window touches nothing real. `read` refuses row
-# sets that are not the live prefix, and an empty selection without padding.
+# A padded row (Day 52 decides how many) reads a row past the live prefix, and every entry
+# there is the sink. The sink's number is the pool's slot count, `num_blocks * block_size`: the
+# K/V pools are allocated with one entry more than that, and a block id runs from 0 to
+# `num_blocks - 1`, so no block table can ever produce it (section 5 checks the number on a
+# real engine). Whatever a padded row reads or writes there belongs to no sequence. `read`
+# refuses row sets that are not the live prefix, and an empty selection without padding.
 #
 # One thing `read` does not check: that the rows asked for are *all* the live rows. The window
 # is `table[:len(rows) + pad_rows]`, so with fewer rows than are live, the "padded" rows are
@@ -182,16 +185,22 @@ assert padded[2:].eq(99).all() and warm[:2].ne(99).all()
 # %% [markdown]
 # `address` is the table's `data_ptr`: what a recorded step is bound to. `to(device)` always
 # copies into new storage, even to the same device, so every window read before it points at
-# the old storage, and later writes no longer reach it. `check_table_stable` (from
-# `nanoserve.warmup`, Day 55) compares the address with the one recorded; it fails here.
+# the old storage, and later writes no longer reach it. A `HostGraph` (Day 50) recorded over
+# the old window does not notice: the tensor it holds never moved, so its own address check
+# passes and it replays the old numbers. `check_table_stable` (from `nanoserve.warmup`, Day 55)
+# compares the table's address with the one recorded; it fails here.
 
 # %%
 recorded = table.address
 old_window = table.read((0, 1), width=4)
+graph = HostGraph.record(lambda w: w.clone(), old_window)  # a step that reads the window
 table.to("cpu")
 table.extend("a", [8])
 print("address unchanged after to('cpu'):", table.address == recorded)
+print("old window still at the recorded address:", old_window.data_ptr() == recorded)
 print("old window row 0:", old_window[0].tolist(), "| the table's row 0 now:", table.table[0, :4].tolist())
+replayed = graph.replay()  # no ReplayError: nothing the graph holds has moved
+print("the graph replays row 0 as", replayed[0].tolist(), "without raising")
 try:
     check_table_stable(table, recorded)
     stable_error = None
@@ -199,6 +208,7 @@ except GateError as e:
     stable_error = str(e)
 print("check_table_stable ->", stable_error)
 assert stable_error and old_window[0, 3].item() == 99 and table.table[0, 3].item() == 8
+assert old_window.data_ptr() == recorded and replayed[0, 3].item() == 99
 
 # %% [markdown]
 # ## 5. The gates on a real decode plan
@@ -223,6 +233,8 @@ eng.step()  # prefill
 runner, st = eng.runner, eng.runner.slot_table
 plan = runner.plan(eng.scheduler.schedule())
 print("rows", len(plan.rows), "| window", tuple(plan.slot_window.shape), "| sink", st.sink_slot)
+print(f"sink = num_blocks x block_size = {eng.pool.num_blocks} x {eng.config.block_size}")
+assert st.sink_slot == eng.pool.num_blocks * eng.config.block_size == eng.pool.sink_slot
 print("block tables:", [s.block_table.blocks for s in plan.rows])
 print("context_lens", plan.context_lens.tolist(), "| write_slots", plan.write_slots.tolist())
 print("slot window:\n", plan.slot_window)
@@ -246,6 +258,7 @@ agree = all(
     gathered.slot_window[r, : ctx[r]].tolist() == plan.slot_window[r, : ctx[r]].tolist() for r in range(3)
 )
 print("plan_decode window:", tuple(gathered.slot_window.shape), "| agrees on attended positions:", agree)
+print(gathered.slot_window)
 by_blocks = slot_window([s.block_table.blocks for s in plan.rows], eng.config.block_size, "cpu")
 print("plan_decode's window is slot_window(block tables):", torch.equal(gathered.slot_window, by_blocks))
 cloned = dataclasses.replace(plan, slot_window=plan.slot_window.clone())
@@ -259,6 +272,7 @@ for name, bad in [("plan_decode (gathered)", gathered), ("bucketed, window .clon
         failures[name] = str(e)
         print(f"{name}: check_mapping_is_window -> GateError: {e}")
 assert agree and len(failures) == 2
+assert gathered.slot_window[1, 4:].tolist() == [0, 1, 2, 3] * 2  # block 0's slots pad the short row
 
 # %% [markdown]
 # ## 6. A run where rows come and go
@@ -287,7 +301,9 @@ assert run["checked"] == len(run["live"]) > 0 and run["moves"] and run["tokens"]
 # 16. Gather is `slot_window` from the block lists (what `plan_decode` does each step); read is
 # `SlotTable.read` (what `plan_decode_bucketed` does). Both windows are checked equal first. The
 # table is not free: every step writes each row's newest slot (`extend`), timed as `extend_us`.
-# Timings are medians of 30 calls on a shared 2-core CPU; the sizes and copies are the facts.
+# This cell runs eight of the CSV's twelve sizes at 15 timed calls each (the script takes 30);
+# its timings change from run to run on a shared 2-core CPU, and the sizes and copies are the
+# facts it checks against the committed CSV.
 
 # %%
 small = window.window_table(rows=(1, 4, 16, 64), widths=(128, 2048), repeats=15)
@@ -390,3 +406,53 @@ png = diagram_path("day51-slots.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** keeps its table per block, not per token. `BlockTable` in
+#   `vllm/v1/worker/block_table.py` allocates a `[max_num_reqs, max_num_blocks_per_req]` int32
+#   table of block ids once (a `CpuGpuBuffer`, a pinned CPU tensor with a GPU twin) and writes
+#   rows in place with `add_row` and `append_row`. Slot numbers are derived each step:
+#   `compute_slot_mapping` runs a Triton kernel that turns every scheduled token's position into
+#   `block_number * block_size + offset` and writes the result into a persistent `slot_mapping`
+#   buffer of `max_num_batched_tokens` entries, filling the unused tail with `PAD_SLOT_ID`
+#   (-1, defined in `vllm/v1/attention/backends/utils.py`). Our table stores one slot per
+#   token instead, `block_size` times more entries, so a step needs no kernel to expand it, only
+#   a slice.
+# * **vLLM keeps its rows dense the same way we do.** `InputBatch.condense` in
+#   `vllm/v1/worker/gpu_input_batch.py` fills each empty row with the request in the highest
+#   occupied row and calls `BlockTable.move_row(src, tgt)` to copy that row's block ids; our
+#   `SlotTable.release` is the one-sequence case of it. `BlockTable.swap_row` also exists for
+#   reordering the batch.
+# * **nano-vllm** gathers, as our `plan_decode` does. `ModelRunner.prepare_block_tables` in
+#   `nanovllm/engine/model_runner.py` builds a new `[batch, longest]` tensor padded with -1
+#   every step; for a graph replay, `run_model` copies it into the first rows of a
+#   `block_tables` buffer that `capture_cudagraph` allocated at
+#   `[max_bs, ceil(max_model_len / block_size)]`. The graph sees a fixed address, paid for with
+#   a copy each step rather than a view.
+# * **llama.cpp** records the mapping from the other side. `llama_kv_cells_unified` in
+#   `src/llama-kv-cells.h` keeps, for every cell of the cache, its position (`pos[i]`, -1 when
+#   empty) and a bitset of the sequences that use it (`seq[i]`); `mv(isrc, idst)` moves a cell's
+#   metadata when the cache is defragmented. Where our table answers "which slot holds position
+#   p of row r", a cell answers "which sequences and which position am I".
+#
+# ## Try it
+#
+# 1. **One write instead of one per row.** `extend_us` grows with rows because `SlotTable.extend`
+#    is one `torch.as_tensor` and one indexed write per sequence. Write
+#    `extend_all(table, rows, cols, slots)` that sets `table.table[rows, cols] = slots` in a
+#    single call. Check it on `window.make_rows(64, 128, room=1)`: after `extend_all` on one copy
+#    and a loop of `extend` on another, `torch.equal` of the two tables must be `True`; then time
+#    both at 64 rows the way `window.median_us` does and compare with the CSV's `extend_us`.
+#    (Keep `table.lengths` in step yourself, or `extend` will write over your column next time.)
+# 2. **Break the row order on purpose.** Build
+#    `dataclasses.replace(plan, slot_window=st.table[[1, 0, 2, 3], :16])` from section 5's plan.
+#    `check_window_intact(bad)` must now raise `GateError` (row 0's window holds req-1's slots).
+#    Then try `st.table[[0, 1, 2, 3], :16]`, the right rows by index: the numbers are right, so
+#    only `check_mapping_is_window` refuses it.
+# 3. **Break `release`.** In `nanoserve/slots.py`, delete the `if row != last:` block of
+#    `release`, so a sequence leaving from the middle leaves a hole, and run
+#    `.venv/bin/python -m pytest tests/test_slots.py -q`: `test_release_keeps_rows_a_prefix` and
+#    the hypothesis test `test_rows_mirror_the_sequences_after_any_history` must fail. Restore the
+#    file and both pass again.

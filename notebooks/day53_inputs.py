@@ -148,6 +148,15 @@ for k, (p, c) in enumerate(zip(log.plans, log.contents), start=1):
 print("the plan's views are the engine's buffers:", first == persistent_inputs.addresses)
 assert all(addresses.PlanAddresses(p).addresses == first for p in log.plans)
 
+# which of the 8 entries a step ever writes: those its bucket covers, at most the widest bucket
+widest = max(p.slot_window.shape[0] for p in log.plans)
+sink = persistent_inputs.sink_slot
+initial = {"input_ids": 0, "positions": 0, "write_slots": sink, "context_lens": 0}
+untouched = all(b[n][widest:] == [v] * (8 - widest) for b in log.buffers for n, v in initial.items())
+print(f"entries 0..{widest - 1} are rewritten (the widest bucket was {widest} rows);")
+print(f"entries {widest}..7 keep their initial values after every step: {untouched}")
+assert widest == 4 and untouched
+
 # %% [markdown]
 # Step 2 shows Day 51 at work too: the first request finished after its second token, and the
 # slot table handed its row to the last live sequence, so the third request (position 34) now
@@ -180,10 +189,10 @@ assert all(logs["bucketed"].distinct(n) == len(log.plans) for n in names)
 # ## 3. The gate
 #
 # `nanoserve.capture.check_addresses_stable(inputs, recorded)` compares an object's five buffer
-# addresses with the ones a graph was recorded against. On the persistent engine, the buffers are
-# where they were before the first request arrived. A bucketed plan has no buffers behind it, so
-# the day's script wraps a plan's five tensors in `PlanAddresses`, which has the same
-# `.addresses`; against step 1, step 2 fails.
+# addresses with the ones a graph was recorded against. On the persistent engine, after the
+# whole run, the buffers are where they were at the first decode step. A bucketed plan has no
+# buffers behind it, so the day's script wraps a plan's five tensors in `PlanAddresses`, which
+# has the same `.addresses`; against step 1, step 2 fails.
 
 # %%
 check_addresses_stable(persistent_inputs, first)
@@ -289,9 +298,11 @@ for r in rows:
 
 # %% [markdown]
 # On a CPU, persistence buys no time: writing into a buffer (a `copy_` per field and a `fill_`
-# for the padding) is not cheaper than building a small tensor, and in these runs the measured
-# planning time was higher than the bucketed one, and both above eager's. What it buys is the
-# fixed address, which is worth nothing until something replays through it: that is Day 54.
+# for the padding) is not cheaper than building a small tensor. In the committed CSV the
+# persistent engine took the longest to plan at every length and eager the shortest; the cell
+# above prints this run's medians, which move around from run to run on a shared machine and
+# need not keep that order. What persistence buys is the fixed address, which is worth nothing
+# until something replays through it: that is Day 54.
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(15, 10))
@@ -317,7 +328,7 @@ ax.set_xticks(range(grid.shape[1]), [str(k + 1) for k in range(grid.shape[1])])
 ax.set_xlabel("decode step (SmolLM2-135M run)")
 ax.set_title("Which allocation each step's tensor is (blue: step 1's address)")
 
-# (b) the persistent buffers' whole contents per step: the same 8 entries rewritten
+# (b) the persistent buffers' whole contents per step: only the entries a step's bucket covers
 ax = axes[0, 1]
 buf = torch.tensor([b["positions"] for b in log.buffers], dtype=torch.float)  # (steps, max_batch)
 im = ax.imshow(buf.T, aspect="auto", cmap="viridis", interpolation="nearest")
@@ -325,11 +336,12 @@ for k, p in enumerate(log.plans):
     rows_k = p.slot_window.shape[0]
     ax.add_patch(plt.Rectangle((k - 0.5, -0.5), 1, rows_k, fill=False, ec="white", lw=2))
     for j in range(len(buf[k])):
-        ax.text(k, j, int(buf[k, j]), ha="center", va="center", fontsize=8, color="white")
+        ink = "black" if buf[k, j] > 0.6 * buf.max() else "white"  # dark text on the bright cells
+        ax.text(k, j, int(buf[k, j]), ha="center", va="center", fontsize=8, color=ink)
 ax.set_xticks(range(len(log.plans)), [str(k + 1) for k in range(len(log.plans))])
 ax.set_xlabel("decode step")
 ax.set_ylabel("buffer entry (row)")
-ax.set_title("positions buffer, whole [max_batch] per step (white: the view a step reads)")
+ax.set_title("positions buffer, all 8 entries per step (white: the view that step reads)")
 fig.colorbar(im, ax=ax, label="position")
 
 # (c) benchmark: distinct addresses per field in the longest run
@@ -350,15 +362,21 @@ ax.set_ylabel("distinct addresses (log)")
 ax.set_title(f"Tiny model, {longest} tokens a request: one address per buffer with persistence")
 ax.legend(fontsize=9, loc="upper right")
 
-# (d) benchmark timing: planning one decode step (measured, shared 2-core CPU)
+# (d) benchmark timing from the committed CSV (the journal's table), not this run's noisy medians
 ax = axes[1, 1]
-gens = sorted({r["generated"] for r in rows})
+gens = sorted({int(r["generated"]) for r in committed})
 for i, mode in enumerate(addresses.MODES):
-    vals = [next(r["plan_us"] for r in rows if r["mode"] == mode and r["generated"] == g) for g in gens]
-    ax.bar([j + (i - 1) * bar for j in range(len(gens))], vals, bar, color=colors[mode], label=mode)
+    vals = [
+        next(float(r["plan_us"]) for r in committed if r["mode"] == mode and int(r["generated"]) == g)
+        for g in gens
+    ]
+    xs = [j + (i - 1) * bar for j in range(len(gens))]
+    ax.bar(xs, vals, bar, color=colors[mode], label=mode)
+    for x, v in zip(xs, vals):
+        ax.text(x, v + 2, f"{v:.0f}", ha="center", fontsize=8)
 ax.set_xticks(range(len(gens)), [f"{g} tokens" for g in gens])
 ax.set_ylabel("µs to build one decode plan (median)")
-ax.set_title("Planning time: persistence is not a CPU speed-up (measured, noisy)")
+ax.set_title("Planning time from the CSV: persistence is not a CPU speed-up")
 ax.legend(fontsize=9)
 
 fig.suptitle("Day 53: persistent inputs, the same addresses every step", fontsize=14)
@@ -367,3 +385,52 @@ png = diagram_path("day53-inputs.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** allocates the same kind of buffers in `GPUModelRunner.__init__`
+#   (`vllm/v1/worker/gpu_model_runner.py`), under the comment "Persistent buffers for CUDA
+#   graphs": `input_ids` (int32) and `positions` (int64) of `max_num_tokens` entries,
+#   `query_start_loc` of `max_num_reqs + 1` and `seq_lens` of `max_num_reqs`. They are sized in
+#   tokens rather than rows because vLLM flattens every request's tokens, prefill and decode
+#   alike, into one batch; ours are `[max_batch]` because only decode steps, one token a row, are
+#   recorded. Many are `CpuGpuBuffer`s (made by `_make_buffer`): a CPU tensor with a device twin,
+#   filled on the host and copied over with `copy_to_gpu(n)`, as `BlockTable.commit_block_table`
+#   does for the block table.
+# * **vLLM records over views of those buffers**, as we do. In the newer runner,
+#   `CudaGraphManager.capture_graph` (`vllm/v1/worker/gpu/cudagraph_utils.py`) passes the model
+#   `input_buffers.input_ids[:num_tokens]` and `input_buffers.positions[:num_tokens]` from
+#   `InputBuffers` (`vllm/v1/worker/gpu/input_batch.py`), and records the largest sizes first.
+#   The contract is spelled out by the `cudagraph_copy_inputs` flag of `CompilationConfig`
+#   (`vllm/config/compilation.py`): left `False`, the caller guarantees the same input buffers
+#   every time; set, the compiler copies inputs into buffers of its own (piecewise graphs only).
+# * **nano-vllm** keeps the graph's inputs in `graph_vars`: `capture_cudagraph`
+#   (`nanovllm/engine/model_runner.py`) allocates `input_ids`, `positions`, `slot_mapping`,
+#   `context_lens`, `block_tables` and `outputs` once at `max_bs` rows, and `run_model` copies the
+#   step's tensors into their first `bs` entries before `graph.replay()`. The step's tensors are
+#   still built new first (`prepare_decode` makes them with `torch.tensor(...)`), so each input is
+#   allocated and then copied; our `PersistentInputs.write` fills the buffers directly. nano-vllm
+#   also clears the whole `slot_mapping` and `context_lens` buffers every step (`fill_(-1)`,
+#   `zero_()`), where we write only the first `rows` entries and leave the rest stale, as
+#   section 1 showed.
+#
+# ## Try it
+#
+# 1. **Break persistence on purpose.** Make `PersistentInputs.write` (in `nanoserve/inputs.py`)
+#    return copies, `tuple(b[:rows].clone() for b in self.buffers())`, and rerun
+#    `addresses.measure(addresses.tiny_model(), 4, (8,))`. The persistent row must now read like
+#    the bucketed one: `distinct_input_ids` 10, `check_addresses_stable` `fails at step 2`,
+#    `replays_fresh` `0/7`, while `tokens_as_eager` stays `yes`, because the numbers were never
+#    wrong, only their address. Restore the line.
+# 2. **A bigger run.** `python days/day53/addresses.py --requests 8 --generated 16 64 --out
+#    /tmp/a.csv`. Check in the CSV that every persistent row has all six `distinct_*` columns at 1
+#    and `replays_fresh` k/k, that every eager row has each `distinct_*` equal to `decode_steps`,
+#    and that `tokens_as_eager` is `yes` throughout.
+# 3. **Clear the tail, as nano-vllm does.** Change `write` to also reset entries `rows..` of each
+#    buffer to their initial values (0, or the sink for `write_slots`) and rerun this notebook.
+#    Check that section 5's tokens are unchanged (its assert still passes), that section 1's
+#    whole buffer now prints `[21, 0, 0, 0, 0, 0, 0, 0]` instead of `[21, 12, 13, 0, ...]`, and
+#    that `log.buffers[1]["positions"]` (after step 2) is `[34, 35, 0, ...]` where it was
+#    `[34, 35, 33, 0, ...]`. Then compare `plan_us` for the persistent engine: the extra writes
+#    are paid every step, for entries no step of that shape reads.

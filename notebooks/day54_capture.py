@@ -17,10 +17,11 @@
 # # Day 54 — Capturing decode
 #
 # Days 51 to 53 moved every number a decode step reads into storage that stays put: the slot
-# table (Day 51), a closed set of padded (rows, width) shapes (Day 52), and four persistent
-# input buffers (Day 53). Today pays that off. With `EngineConfig(capture_decode=True)` the
-# runner records one graph per decode shape the first time the shape appears, and replays it on
-# every later step of the same shape.
+# table (Day 51), a closed set of padded (rows, width) shapes (Day 52), and the persistent
+# buffers of Day 53 (five of them: `input_ids`, `positions`, `write_slots` and `context_lens`,
+# rewritten in place each step, and `logits_at`, written once). Today pays that off. With
+# `EngineConfig(capture_decode=True)` the runner records one graph per decode shape the first
+# time the shape appears, and replays it on every later step of the same shape.
 #
 # On this machine there is no GPU, so the graph is `HostGraph` (Day 50): the CPU stand-in that
 # keeps tensor arguments by identity (live storage) and everything else by value (frozen), and
@@ -36,6 +37,7 @@
 # 6. the benchmark (`days/day54/capturebench.py`) and the diagram.
 
 # %%
+import csv
 import sys
 import time
 
@@ -149,6 +151,7 @@ def watch(eng: Engine, gates: bool = True) -> list[dict]:
 
 
 captured = smol_engine(bucket_decode=True, persist_inputs=True, capture_decode=True)
+assert len(captured.runner.inputs.buffers()) == 5  # the Day 53 buffers a graph reads through
 cap_log = watch(captured)
 t0 = time.perf_counter()
 cap_out = captured.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -311,12 +314,15 @@ print("frozen at recording:", name(graph.args[0].rows), " this step:", name(late
 assert fails("the graph replayed for a new set of rows", check_replay_rows, graph, later)
 
 # %% [markdown]
-# What the replay *computes* is still right here: nanoserve's decode forward reads the plan's
-# tensors, which are the live slot table and buffers, and reads no field of `rows`. The logits of
-# the replay equal an eager forward over the new plan. The danger is what the graph *says*: row
-# 0 of its frozen plan is `req-0`, which has been aborted, while row 0 of the logits belongs to
-# `req-1`. Anything that read rows from the graph (to append tokens, to free rows) would hand one
-# request's token to another. The gate refuses that state rather than trusting no one reads it.
+# Look at the two row lists above. Aborting `req-0` freed table row 0, `req-2` moved into it,
+# and the newcomer `req-3` took row 2. Does the replay then compute garbage? The next cell says
+# no: the logits it returns are bit-for-bit an eager forward over the new plan, because our
+# decode forward only ever reads the plan's tensors (live views on the table and the buffers)
+# and never looks at `rows`. What is wrong is the graph's bookkeeping. Its frozen plan names
+# `req-0` for row 0, a request that no longer exists, while row 0 of the logits is `req-2`'s;
+# code that took the row list from the graph (to append a token, to release a row) would give
+# one request's token to another. `check_replay_rows` refuses the state itself instead of
+# relying on nobody reading the tuple.
 
 # %%
 with torch.inference_mode():
@@ -326,6 +332,7 @@ print("replayed logits equal an eager forward over the new rows:", torch.equal(r
 assert torch.equal(replayed, eager)
 for r, (old, new) in enumerate(zip(graph.args[0].rows, later.rows)):
     print(f"row {r}: the graph says {old.request_id}, the logits are {new.request_id}'s")
+assert name(graph.args[0].rows)[0] == "req-0" and name(later.rows)[0] == "req-2"
 
 # %% [markdown]
 # ## 6. The benchmark
@@ -341,6 +348,9 @@ print(" | ".join(facts))
 for row in table:
     print(" | ".join(str(row[c]) for c in facts))
 assert all(r["cold_captures"] == r["predicted"] == r["graphs"] and r["same_tokens"] == "yes" for r in table)
+with open(REPO / "days" / "day54" / "day-54-capturebench.csv") as f:  # the journal's table
+    committed = list(csv.DictReader(f))
+assert [[str(r[c]) for c in facts] for r in table] == [[r[c] for c in facts] for r in committed]
 for row in table:
     print(
         f"generated {row['generated']:>3}: eager step {row['eager_step_ms']:.2f} ms, "
@@ -401,7 +411,7 @@ ax.plot(steps, [s["ctx"] for s in cap_log], color="gray", lw=1, label="longest c
 rec = [(i, s["shape"][1]) for i, s in zip(steps, cap_log) if s["kind"] == "record"]
 ax.scatter(*zip(*rec), s=120, color="tab:red", zorder=3, label="graph recorded (cold capture)")
 for i, w in rec:
-    ax.annotate(f"record (4, {w})", (i, w), textcoords="offset points", xytext=(8, -14), color="tab:red")
+    ax.annotate(f"record (4, {w})", (i, w), textcoords="offset points", xytext=(-40, 10), color="tab:red")
 ax.set_xlabel("decode step")
 ax.set_ylabel("tokens")
 ax.set_ylim(0, 112)
@@ -477,3 +487,57 @@ png = diagram_path("day54-capture.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** never records in front of a request the way this notebook does: its graphs are
+#   recorded at startup, in `GPUModelRunner.capture_model` (`vllm/v1/worker/gpu_model_runner.py`),
+#   from dummy batches run by `_dummy_run` (tomorrow's subject). Its graph key is also narrower
+#   than ours. `CudagraphDispatcher` (`vllm/v1/cudagraph_dispatcher.py`) looks a batch up by a
+#   `BatchDescriptor` of its token count (and whether it is a uniform decode batch), not by a
+#   context width: vLLM's attention kernels read sequence lengths and block tables out of
+#   fixed-size buffers while they run, so the context length is data, not shape. Our decode
+#   attention gathers a `(rows, width)` window in PyTorch, which makes width a shape and is why
+#   we need Day 52's width buckets at all. A batch with no key gets `CUDAGraphMode.NONE` from
+#   `dispatch` and runs without a graph.
+# * **nano-vllm** (`nanovllm/engine/model_runner.py`) keys graphs by batch size alone:
+#   `capture_cudagraph` records `graph_bs = [1, 2, 4, 8] + list(range(16, max_bs + 1, 16))`,
+#   keeps the input tensors in `self.graph_vars`, and `run_model` copies each decode step's
+#   `input_ids`, `positions`, `slot_mapping`, `context_lens` and `block_tables` into them before
+#   `graph.replay()` — the same persistent-buffer idea as our Day 53, written into by slicing.
+#   Its padded entries get `slot_mapping` -1 (the cache-store kernel skips a negative slot) and
+#   `context_lens` 0, where ours write to a real extra sink slot. Prefill, `enforce_eager=True`
+#   and batches over 512 tokens run eagerly.
+# * Neither freezes a row list. nano-vllm's recorded call is `self.model(input_ids[:bs],
+#   positions[:bs])`; the list of sequences stays outside the graph, in the scheduler's Python
+#   objects, so there is no counterpart to our frozen `plan.rows` and no need for
+#   `check_replay_rows`. Ours exists because `HostGraph` and `CudaGraph` freeze the whole plan
+#   object they are handed.
+# * **PyTorch** supplies the pieces our `CudaGraph` (`nanoserve/capture.py`) is built from:
+#   `torch.cuda.CUDAGraph`, the `torch.cuda.graph(g, pool=...)` context, and
+#   `torch.cuda.graph_pool_handle()` for the pool every capture shares. Like nano-vllm (which
+#   runs `self.model(...)` once, marked `# warmup`, just before `torch.cuda.graph`) and vLLM
+#   (`_warmup_and_capture` runs `cudagraph_num_of_warmups` eager dummy steps first), our
+#   `CudaGraph.record` runs the step once eagerly on a side stream before recording it.
+#
+# ## Try it
+#
+# 1. **Predict the recordings for a finer width bucket.** Set `WIDTH_MULTIPLE = 16` in
+#    section 1 and rerun sections 1 to 3. Before you run, work out
+#    `lazy_captures(32, 16, prompt_len=38)` by hand (the contexts run from 39 to 69). The check:
+#    `captured.runner.cold_captures` is 3, the graphs are `(4, 48)`, `(4, 64)` and `(4, 80)`, and
+#    `check_replay_rows` passes on 28 of 31 steps.
+# 2. **Break the precondition chain on purpose.** Build
+#    `smol_engine(bucket_decode=True, capture_decode=True)`, leaving `persist_inputs` off. The
+#    check: `EngineConfig.validate` raises `ValueError` with the sentence
+#    "capture_decode needs persist_inputs: a graph reads its inputs at fixed addresses", before
+#    any model runs. Then, on `eng, plan = running()`, replace one buffer with a copy
+#    (`eng.runner.inputs.write_slots = eng.runner.inputs.write_slots.clone()`) and call
+#    `check_addresses_stable(eng.runner.inputs, addresses_before)`: it must name buffer `[2]`.
+# 3. **Find the hole the six gates leave.** On `eng, plan = running()`, call
+#    `eng.runner.slot_table.to("cpu")` (it always allocates new storage), build the next plan
+#    with `eng.runner.plan(eng.scheduler.schedule())` and run `six_gates` on it with the
+#    recorded addresses. All six pass, yet the `(4, 16)` graph still holds a window on the old
+#    table, which no step writes any more. Check that `eng.runner.slot_table.address` changed;
+#    Day 55 adds the gate that refuses this (`check_table_stable`).

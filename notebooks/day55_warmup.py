@@ -16,22 +16,27 @@
 # %% [markdown]
 # # Day 55 — The capture list moves to startup
 #
-# Day 54 recorded each decode graph on the first step that needed it, in front of the requests
-# that were waiting on that step, and did so again every time the contexts grew into a new width
-# bucket. Today the recordings move to startup: `nanoserve.warmup` drives one made-up batch
-# per shape through the same runner before any request arrives.
+# Yesterday's engine recorded a decode graph at the moment a batch first showed a new shape, so
+# the requests in that batch sat through the recording, and sat through another one each time
+# their contexts grew into a wider bucket. Today those recordings happen before the engine
+# accepts anything: for each shape in a list, `nanoserve.warmup` makes up a step that belongs
+# to no request and runs it through the ordinary runner, which records it.
 #
-# The whole question is what that made-up batch may be. A graph binds the addresses it was
-# recorded with, so the batch has to go through the real slot table, the real input buffers and
-# the real K/V pool, and it must not disturb any of them. The answer is a step whose rows are
-# all padding (Day 52): context 0, K/V written to the sink slot.
+# What may such a step be? A graph holds on to the storage it ran on, so the step cannot be
+# built from scratch tensors and discarded: it must read the slot table and the persistent
+# buffers that real steps will read later, and write into the same K/V pools, which may
+# already hold other sequences' keys and values. Day 52 has the piece that makes that safe. A
+# padded row attends over zero tokens and puts its K/V in the sink slot, an index no block
+# owns. A step built from nothing but such rows can go through the live table, buffers and
+# pools without changing anything a request owns.
 #
-# 1. `warmup_plan` and `warmup_batch`: what a warm batch is, tensor by tensor,
-# 2. Day 54's six preconditions on it (they pass because there is nothing to check), and on a
-#    warm plan built wrongly,
-# 3. `Engine.warm_decode` on SmolLM2: the eight warm gates, tokens against eager, nothing cold,
-# 4. the two address gates side by side, and what each one guards in bytes,
-# 5. `days/day55/warmbench.py`: the cold column, startup against stall, and the budget,
+# 1. `warmup_plan` and `warmup_batch`: a warm step, tensor by tensor,
+# 2. Day 54's six preconditions on it, and on warm plans built wrong,
+# 3. `Engine.warm_decode` on SmolLM2: what changed in the pools, the eight warm gates, tokens
+#    against a plain engine, and each gate failing,
+# 4. the slot table's address, the one Day 54 did not watch,
+# 5. `days/day55/warmbench.py`: recordings in front of a request, what each way of recording
+#    costs over a process lifetime, and a memory budget read as a width,
 # 6. the diagram.
 
 # %%
@@ -40,6 +45,7 @@ import sys
 import time
 
 import matplotlib
+import matplotlib.transforms
 import torch
 
 matplotlib.use("Agg")
@@ -77,7 +83,6 @@ from nanoserve.weights import fetch_default_model
 sys.path.insert(0, str(REPO / "days" / "day55"))
 import warmbench  # the day's script: the notebook prints the tables it writes
 
-torch.manual_seed(0)
 MODEL_DIR = fetch_default_model()
 t0 = time.perf_counter()
 model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
@@ -102,10 +107,11 @@ def fails(label, gate, *args):
 # %% [markdown]
 # ## 1. What a warm batch is
 #
-# An engine with the Day 51-54 switches on, 4 rows and 128 tokens of context, width multiple 32:
-# its closed shape set is rows {1, 2, 4} x widths {32, 64, 96, 128}, 12 shapes. `warmup_plan`
-# builds the addressing of one shape over no sequences at all. There is no `plan_decode` behind
-# it; `plan_decode` refuses an empty batch and says where to go instead:
+# The engine for the whole notebook: the Day 51-54 switches on, 4 rows, a 128-token context and
+# width buckets of 32. Its buckets are rows {1, 2, 4} by widths {32, 64, 96, 128}: 12 shapes.
+# `warmup_plan(shape, slot_table, inputs)` returns the plan of one such shape with an empty row
+# tuple. It does not go through `plan_decode`, which rejects an empty batch and says what to
+# call instead:
 
 # %%
 warm = smol_engine(bucket_decode=True, persist_inputs=True, capture_decode=True)
@@ -115,11 +121,12 @@ try:
 except ValueError as e:
     print("plan_decode([]):", e)
 print("shape set:", warm_shapes(4, 128, 32))
+assert len(warm_shapes(4, 128, 32)) == 12
 
 # %% [markdown]
-# The warm plan for the biggest shape, (4, 128). Every row is padding: token 0 at position 0,
-# K/V written to the sink (one past the last slot any block maps), context 0 so attention sees
-# nothing. The row tuple is empty.
+# The plan for the largest shape, (4, 128). All four rows are padding: token 0 at position 0,
+# the K/V write aimed at the sink (index 720 here, one past the last slot a block can own), and
+# a context length of 0, so attention has nothing to read. `rows` is `()`.
 
 # %%
 plan = warmup_plan((4, 128), runner.slot_table, runner.inputs)
@@ -133,10 +140,11 @@ print("logits_at:   ", plan.logits_at.tolist())
 assert plan.rows == () and set(plan.write_slots.tolist()) == {sink} and not plan.context_lens.any()
 
 # %% [markdown]
-# None of these tensors is new. Each is a window on storage a real decode step writes through:
-# the slot window is the top-left corner of Day 51's slot table, the other four are the first
-# rows of Day 53's persistent buffers. That is what lets a graph recorded on this plan compute
-# real steps later: it will read whatever the next real step writes into the same storage.
+# Nothing above was allocated for the warm-up. The slot window is a view of the top-left
+# 4 x 128 corner of Day 51's slot table, and the four per-row tensors are views of the first four
+# entries of Day 53's buffers. This is why a graph recorded from the plan can later serve real
+# steps: at replay it reads whatever the current real step has just written into the same
+# bytes.
 
 # %%
 inputs, table = runner.inputs, runner.slot_table
@@ -158,14 +166,15 @@ for name, (view, real) in windows.items():
 print(f"slot table at {table.address:#x}, {tuple(table.table.shape)}")
 
 # %% [markdown]
-# `warmup_batch` adds the cache bound to that plan (a `BatchedCacheRows` whose plan has no
-# rows): the object the model writes its K/V to and reads attention from. Attention over it is
-# exactly zero, because every row's context is empty.
+# `warmup_batch` pairs the plan with the cache object the model talks to, a `BatchedCacheRows`
+# bound to a plan without rows. Attention through it returns exact zeros, since no row has any
+# context. (`ensure_pools` allocates every layer's K and V pool now; left alone, the cache
+# allocates a layer's pools on its first write.)
 
 # %%
 warm.cache.ensure_pools()
 plan, rows = warmup_batch((4, 128), runner.slot_table, runner.inputs, warm.cache)
-q = torch.randn(4, model.cfg.num_heads, model.cfg.head_dim)
+q = torch.linspace(-1, 1, 4 * model.cfg.num_heads * model.cfg.head_dim).view(4, model.cfg.num_heads, -1)
 out = rows.attention(0, q)
 print(type(rows).__name__, "bound to the warm plan:", rows.plan is plan, " attention:", tuple(out.shape))
 print("attention output all zero:", bool((out == 0).all()))
@@ -174,16 +183,17 @@ assert (out == 0).all()
 # %% [markdown]
 # ## 2. Day 54's six preconditions, on a warm plan
 #
-# The same six gates, unchanged. Each passes, and none of them knows what a warm-up is: each
-# loops over the plan's real rows, or compares them with something, and there are none.
-# `check_replay_rows` is checked with a graph recorded from this warm plan against a real step:
-# a graph that froze the empty tuple cannot be wrong about whose step it replays.
+# The six gates run unchanged, and all six pass. None was written with warm-ups in mind: each
+# either walks the plan's real rows or compares them with the table's live rows, and a warm plan
+# has no real rows, so there is nothing to reject. For `check_replay_rows` the cell records one
+# graph from the warm plan and holds it against a real one-row decode step of a second engine:
+# a graph whose frozen tuple is `()` has no rows that could disagree with anybody's.
 
 # %%
 with torch.inference_mode():
     g = runner.record(plan)  # one graph, recorded from the warm plan
 check_pad_inert(plan, sink)  # padded rows inert; "no real row writes the sink": no real rows
-check_mapping_is_window(plan, table)  # () is a prefix of the table's owners
+check_mapping_is_window(plan, table)  # no rows: nothing to match against the live prefix
 check_window_intact(plan)  # loops over no rows
 check_plan_addressing(plan)  # loops over no rows
 check_addresses_stable(inputs, inputs.addresses)
@@ -198,11 +208,12 @@ check_replay_rows(g, real)
 print("the six pass on the warm plan; check_replay_rows passes for a real step over", len(real.rows), "row")
 
 # %% [markdown]
-# Vacuous is not switched off. A warm plan built wrongly fails the same gates: one with a
-# sequence in its row tuple (its one "real" row writes to the sink, and the table has no such
-# owner), and one whose padded row writes into slot 0, which belongs to whichever sequence holds
-# block 0. A warm plan's tensors are the persistent buffers, so the breakage is repaired by the
-# next `warmup_plan`, which rewrites them.
+# Passing on an empty plan is not the same as not checking. Two warm plans built wrong, and the
+# same gates refuse them. The first has a real sequence pushed into its row tuple: that "real"
+# row now stores its K/V in the sink, and the plan names an owner the table does not have. The
+# second aims padded row 1 at slot 0, which belongs to whatever sequence holds block 0. Since a
+# warm plan's tensors are the persistent buffers themselves, the next `warmup_plan` call
+# overwrites the damage.
 
 # %%
 bad = warmup_plan((4, 128), table, inputs)
@@ -218,16 +229,17 @@ check_pad_inert(plan, sink)
 # %% [markdown]
 # ## 3. Warming the engine
 #
-# `Engine.warm_decode` allocates the K/V pools, builds the shape list (biggest first: every
-# CUDA capture shares one memory pool, sized by its largest member), and records one graph per
-# shape from a warm plan. To see that it touches nothing, the pools are first filled with
-# seeded noise standing in for live sequences' K/V, and copied.
+# `Engine.warm_decode` makes sure the pools exist, asks `warm_shapes` for the list, largest
+# shape first, and records one graph per shape from a warm plan. The order is for CUDA, where
+# all captures draw on one shared memory pool: once the largest is recorded, every smaller one
+# fits in memory the pool already holds. To test the claim that a warm-up leaves live data
+# alone, the cell first fills every K and V pool with a fixed pattern that stands in for other
+# sequences' K/V, keeps a copy, warms, and compares entry by entry.
 
 # %%
-gen = torch.Generator().manual_seed(55)
 with torch.inference_mode():
-    for pool in warm.cache.k + warm.cache.v:
-        pool.copy_(torch.randn(pool.shape, generator=gen))
+    for i, pool in enumerate(warm.cache.k + warm.cache.v):  # a pattern no warm-up would write
+        pool.copy_(torch.sin(torch.arange(pool.numel(), dtype=pool.dtype) * 0.37 + i).view(pool.shape))
 before_k = [k.clone() for k in warm.cache.k]
 before_v = [v.clone() for v in warm.cache.v]
 address = table.address
@@ -245,13 +257,26 @@ changed = sorted(
 )
 print("pool entries the warm-up changed, any layer, K or V:", changed, f"(the sink is {sink})")
 assert changed == [sink] and report.shapes[0] == (4, 128) and report.graphs == 12
+assert runner.lazy is False  # once a list is recorded, a shape outside it runs eagerly
 
 # %% [markdown]
-# The eight warm gates. Four are about the warm-up itself (no rows, writes only the sink, no
-# real slot changed, the slot table did not move), two about the graphs (all from the warm-up,
-# none recorded after it), two about the list (complete, and within a memory budget). The
-# budget is probed the way a server would, as free host memory here, and the widest shape's
-# attention scores (rows x heads x width fp32 numbers) must fit in it.
+# Across 30 layers, K and V alike, the one entry that changed is the sink. The day's eight gates
+# then run on what the warm-up left behind; the right-hand column is the broken input each is
+# shown refusing further down.
+#
+# | gate | the fact it checks | refused below on |
+# |---|---|---|
+# | `check_warm_rows_empty` | the warm plan names no sequence | a warm plan given a row |
+# | `check_warm_writes_sink` | every row writes to the sink and has context 0 | a warm row aimed at slot 0 |
+# | `check_warm_touches_nothing` | no pool entry below the sink changed | slot 17 of layer 3 altered |
+# | `check_table_stable` | the slot table is where the graphs saw it | a table moved by `SlotTable.to` |
+# | `check_warm_graphs_unbound` | every graph froze the empty row tuple | graphs of a never-warmed engine |
+# | `check_no_cold_captures` | nothing was recorded after the warm-up | that engine's 2 recordings |
+# | `check_all_warm` | each shape of the list has its graph | a list with `(8, 128)` added |
+# | `check_warm_budget` | the widest shape's scores fit the memory probed | a budget 1 byte short |
+#
+# The budget is read as a server would read it, here the host's available memory (free device
+# memory on CUDA); a step's scores are rows x heads x width fp32 numbers.
 
 # %%
 shapes = warm_shapes(4, 128, 32)
@@ -267,14 +292,15 @@ check_warm_budget(shapes, warm_budget_bytes("cpu"), heads)
 print(
     f"widest shape's scores: 4 x {heads} x 128 x 4 = {4 * heads * 128 * 4:,} bytes, within the probed budget"
 )
-with torch.inference_mode():  # the noise out again, in place: the graphs' storage stays where it is
+with torch.inference_mode():  # the pattern out again, in place: the graphs' storage stays put
     for pool in warm.cache.k + warm.cache.v:
         pool.zero_()
 
 # %% [markdown]
-# Now serve. Three chat prompts through the warmed engine and through a plain one (no buckets,
-# no persistent inputs, no capture). Every decode step of the warm engine is a replay; the
-# wrapper checks each replay's frozen rows against the step's.
+# Then requests: Day 54's three chat prompts, once through the warmed engine and once through a
+# plain engine (no buckets, no persistent inputs, no capture). Before each decode step of the
+# warmed engine the wrapper looks up the step's graph, which must exist, and holds its frozen
+# rows against the step's.
 
 # %%
 PROMPTS = [[{"role": "user", "content": q}] for q in ("What is 2 + 2?", "Name a colour.", "Say hi.")]
@@ -301,9 +327,9 @@ check_no_cold_captures(runner.cold_captures)
 assert [w.token_ids for w in warm_out] == [p.token_ids for p in plain_out]
 
 # %% [markdown]
-# And each of the eight failing on an input built the wrong way. The bound graphs and the cold
-# captures come from a lazily capturing engine (Day 54's behaviour) on the tiny random model
-# that `warmbench.py` uses.
+# Now each of the eight refusing a wrong input. The two inputs about how graphs came to exist
+# come from an engine that is never warmed, so it records as it goes (Day 54's behaviour); it
+# runs the tiny random-weight model of `warmbench.py`.
 
 # %%
 bad = warmup_plan((2, 64), table, inputs)
@@ -345,12 +371,12 @@ assert fails("a list with one shape never recorded", check_all_warm, shapes + [(
 assert fails("a budget below the widest shape", check_warm_budget, shapes, 4 * heads * 128 * 4 - 1, heads)
 
 # %% [markdown]
-# ## 4. The two address gates
+# ## 4. The slot table's address
 #
-# Day 54's `check_addresses_stable` compares the addresses of the persistent input buffers.
-# The slot table is read by the same graphs through a window, and nothing on Day 54 watched it;
-# `SlotTable.to` always reallocates. `check_table_stable` is the second gate. What each guards,
-# for this engine and at serving size (256 rows, 8192 tokens):
+# Day 54's `check_addresses_stable` watches the five persistent buffers. The graphs read one
+# more tensor, the slot table, through their windows, and on Day 54 nothing watched where that
+# table lived, although `SlotTable.to` always gives it new storage. `check_table_stable` is the
+# gate for it. The bytes each gate watches, on this engine and at 256 rows by 8192 tokens:
 
 
 # %%
@@ -369,8 +395,8 @@ for label, (small, big) in sizes.items():
     )
 
 # %% [markdown]
-# The first gate cannot see the second one's failure. On a throwaway tiny engine: record a
-# graph, move the slot table, and ask both.
+# Neither can stand in for the other. On a throwaway tiny engine: warm it, move its slot table,
+# and ask both.
 
 # %%
 t_eng = tiny_engine()
@@ -384,12 +410,12 @@ assert fails("the same moved table", check_table_stable, t_eng.runner.slot_table
 # %% [markdown]
 # ## 5. The benchmark: `warmbench.py`
 #
-# **The cold column.** The tiny random-weight model, 2 requests off one 16-token prompt, width
-# multiple 32, `max_model_len` = prompt + generated but at least 64 (two width buckets, as
-# in the seed's run). Lazily, a run records one graph per width bucket its contexts cross,
-# which is `lazy_captures`; after `warm_decode`, none. (The warm list here is every shape up
-# to `max_model_len`, both row buckets; the tokens of the two runs are asserted equal inside
-# `cold_table`.)
+# **Recordings in front of a request.** Two requests share one 16-token prompt on the tiny
+# random-weight model, with width buckets of 32 and a context limit of prompt plus generated
+# tokens, raised to 64 where that is less so that every run spans two buckets or more. Each
+# length runs twice: recording lazily, where the graphs recorded mid-run (`cold_lazy`) should be
+# `lazy_captures`, and after `warm_decode`, where they should be 0 (`cold_warmed`). `cold_table`
+# asserts the two runs produce the same tokens.
 
 # %%
 cold = warmbench.cold_table()
@@ -405,11 +431,21 @@ for row in cold:
     print(f"generated {row['generated']:>3}: warmed {row['warm_graphs']:>2} graphs in {row['warm_ms']} ms")
 
 # %% [markdown]
-# **Startup against stall, at serving size.** 256 rows, 8192 tokens, width multiple 128: 9 row
-# buckets x 64 width buckets = 576 shapes. Priced at 50 ms a recording (an assumed per-graph
-# cost for a CUDA capture, not measured here), a lazily capturing server makes a request that
-# generates 8192 tokens wait 64 recordings, 3.2 s in all. Warming the full list costs 28.8 s of
-# startup; trimmed to 8 rows it is 12.8 s, and to 8 rows and 2048 tokens 3.2 s.
+# The warm list is larger than the lazy count (4 to 10 graphs against 1 to 5) because it holds
+# every shape up to the context limit, the 1-row shapes included, while the two requests decode
+# in step in the 2-row bucket and only ever present the widths they grow through.
+
+# %% [markdown]
+# **What each way of recording costs, at serving size.** 256 rows, 8192 tokens, width buckets of
+# 128: 9 row buckets by 64 widths, 576 shapes. Every price assumes 50 ms per recording, a guess
+# at a CUDA capture that this CPU does not measure. Per request length the table gives
+#
+# * `lazy_graphs` and `stall_s`: the widths one request of that length walks through at one row
+#   count, and what the first such request waits for them;
+# * `lazy_rows8_s` and `lazy_all_rows_s`: what lazy recording pays over the life of the process
+#   if requests of that length turn up at every row count up to 8, or at all nine;
+# * `warm_full_s`, `warm_rows8_s`, `warm_rows8_ctx2048_s`: startup for the full list, for the
+#   list cut to rows <= 8, and cut to rows <= 8 and widths <= 2048.
 
 # %%
 pricing = warmbench.pricing_table()
@@ -418,19 +454,37 @@ for row in pricing:
     print(" | ".join(str(v) for v in row.values()))
 with open(warmbench.HERE / "day-55-pricing.csv") as f:
     assert [{k: str(v) for k, v in r.items()} for r in pricing] == list(csv.DictReader(f))
-print(
-    "shapes in the three lists:",
-    [
-        len(warm_shapes(256, 8192, 128, **kw))
-        for kw in ({}, {"max_rows": 8}, {"max_rows": 8, "max_width": 2048})
-    ],
-)
+trims = ({}, {"max_rows": 8}, {"max_rows": 8, "max_width": 2048})
+lists = [len(warm_shapes(256, 8192, 128, **kw)) for kw in trims]
+print("shapes in the three lists:", lists)
+assert lists == [576, 256, 64]
+last = pricing[-1]  # 8192 tokens: traffic that reaches every width
+assert last["lazy_all_rows_s"] == last["warm_full_s"] and last["lazy_rows8_s"] == last["warm_rows8_s"]
+assert pricing[2]["lazy_rows8_s"] == pricing[2]["warm_rows8_ctx2048_s"]  # 2048 tokens, rows <= 8
 
 # %% [markdown]
-# **A budget is a width ceiling.** A decode step's attention scores are rows x heads x width
-# fp32 numbers, and a shared pool is as big as its biggest member, so a memory budget does not
-# shorten the list so much as cap its widest shape: `width_ceiling` inverts the product at 256
-# rows and 32 heads, and `warm_shapes(max_width=...)` applies it.
+# Read the table by rows, not by the first and last column. A recorded graph stays for the life
+# of the process however it was recorded, so a lazily recording server does not charge 3.2 s to
+# every 8192-token request: it charges each shape's 50 ms once, to whichever request reaches
+# that shape first, and every later request at that shape replays. Setting the full list's
+# 28.8 s of startup against one request's 3.2 s would weigh a cost paid once per process
+# against a cost paid once per process *for one row count*. The like-for-like figures are the
+# lifetime sums. Where traffic reaches every shape, lazy recording adds up to exactly the
+# full list's 28.8 s (`lazy_all_rows_s` at 8192 tokens); where it stays at 8 rows or fewer, to
+# the 8-row list's 12.8 s; at 2048 tokens and 8 rows, to the 64-shape list's 3.2 s. Per shape the
+# two ways cost the same.
+#
+# So warming does not make the recordings cheaper. It changes who waits for them (the boot
+# instead of a client) and what gets recorded: a warm list pays for every shape in it, including
+# shapes this deployment's traffic never reaches, while lazy recording only ever pays for shapes
+# that were used. That is the argument for trimming the list to the traffic: the rows the
+# scheduler will actually run and the context the deployment actually serves.
+
+# %% [markdown]
+# **A memory budget, read as a width.** All captures draw on one pool, so the pool needs what its
+# single largest capture needs, and a step's scores grow as rows x heads x width. The question a
+# budget answers is therefore how wide the widest shape may be: `width_ceiling` solves for it at
+# 256 rows and 32 heads, and `warm_shapes(max_width=...)` drops every shape past it.
 
 # %%
 budget = warmbench.budget_table()
@@ -453,7 +507,7 @@ ax.axis("off")
 ax.set_title("a warm batch: warmup_plan((4, 128), slot_table, inputs)", fontsize=12)
 ax.text(
     0.0, 0.95, "no plan_decode behind it (plan_decode([]) refuses an empty batch);\n"
-    "five tensors that are windows on the real buffers, and an empty row tuple",
+    "five views of the buffers real steps use, and rows = ()",
     fontsize=10, color="dimgray", transform=ax.transAxes, va="top",
 )  # fmt: skip
 cells = [
@@ -488,7 +542,7 @@ ax.axis("off")
 ax.set_title("Day 54's six preconditions on the warm plan: unchanged, all pass", fontsize=12)
 six = [
     ["check_pad_inert", "pass", "pads inert; no real row at the sink"],
-    ["check_mapping_is_window", "pass", "() is a prefix of the table's owners"],
+    ["check_mapping_is_window", "pass", "no rows to match the live prefix"],
     ["check_window_intact", "pass", "loops over no rows"],
     ["check_plan_addressing", "pass", "loops over no rows"],
     ["check_addresses_stable", "pass", "warm plan wrote into them"],
@@ -519,7 +573,7 @@ ax.set_yscale("log")
 ax.set_ylim(50, 5e9)
 ax.set_xticks(list(xs), labels)
 ax.set_ylabel("bytes guarded (log)")
-ax.set_title("the two address gates side by side", fontsize=11)
+ax.set_title("bytes each address gate watches", fontsize=11)
 ax.legend(loc="upper left", fontsize=9)
 
 # left bottom: cold column against the prediction
@@ -540,32 +594,39 @@ for i, r in enumerate(cold):
     ax.text(i + 0.27, 0.1, "0", ha="center", color="tab:green", fontsize=11)
     ax.text(i, r["predicted"] + 0.2, f"warm list:\n{r['warm_graphs']} graphs", ha="center", fontsize=9)
 ax.set_xticks(list(xs), [str(r["generated"]) for r in cold])
-ax.set_xlabel("tokens generated (2 rows off a 16-token prompt, width multiple 32)")
+ax.set_xlabel("tokens generated (tiny model, 2 requests, one prompt of 16 tokens, widths of 32)")
 ax.set_ylabel("graphs recorded in front of a request")
 ax.set_ylim(0, 7.5)
 ax.set_title("warmbench: the cold column is lazy_captures, and 0 once warmed", fontsize=12)
 ax.legend(loc="upper left", fontsize=9)
 
-# right bottom: startup against stall, and the budget as a width ceiling
-right = outer[1, 1].subgridspec(2, 1, height_ratios=[1.3, 1], hspace=0.6)
+# right bottom: recording paid once per shape per process, and the budget as a width ceiling
+right = outer[1, 1].subgridspec(2, 1, height_ratios=[1.6, 1], hspace=0.6)
 ax = fig.add_subplot(right[0])
-lists = [
-    ("full list, 576 shapes", float(pricing[0]["warm_full_s"])),
-    ("rows <= 8: 256 shapes", float(pricing[0]["warm_rows8_s"])),
-    ("rows <= 8, width <= 2048: 64 shapes", float(pricing[0]["warm_rows8_ctx2048_s"])),
+xs = range(len(pricing))
+series = [
+    ("stall_s", "first request, one row count", "tab:red"),
+    ("lazy_rows8_s", "lazy, lifetime: rows 1-8 all reached", "tab:orange"),
+    ("lazy_all_rows_s", "lazy, lifetime: all 9 row counts reached", "tab:brown"),
 ]
-ax.barh(range(3), [v for _, v in lists], color=["tab:purple", "tab:blue", "tab:cyan"])
-for i, (name, v) in enumerate(lists):
-    ax.text(v + 0.4, i, f"{name}: {v:.1f} s", va="center", fontsize=9)
-for r, style in zip(pricing, (":", "-.", "--", "-")):
-    label = f"lazy stall, {r['generated']} tokens: {r['stall_s']} s"
-    ax.axvline(float(r["stall_s"]), color="tab:red", ls=style, lw=1.2, label=label)
-ax.set_yticks([])
-ax.set_ylim(4.3, -0.5)  # inverted, with a free row at the bottom for the legend
-ax.set_xlim(0, 60)
-ax.set_xlabel("seconds at 50 ms a graph (256 rows, 8192 tokens, width multiple 128)")
-ax.set_title("startup cost of the list against one request's lazy stall", fontsize=11)
-ax.legend(loc="lower right", fontsize=8, ncol=2)
+for j, (col, label, color) in enumerate(series):
+    ax.bar([i + (j - 1) * 0.27 for i in xs], [float(r[col]) for r in pricing], 0.27, label=label, color=color)
+edge = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
+for col, name, style, va in (
+    ("warm_full_s", "warm: full list, 576", "-", "bottom"),
+    ("warm_rows8_s", "warm: rows <= 8, 256", "--", "top"),
+    ("warm_rows8_ctx2048_s", "warm: rows <= 8, width <= 2048, 64", ":", "top"),
+):
+    v = float(pricing[0][col])
+    ax.axhline(v, color="tab:purple", ls=style, lw=1.2)
+    ax.text(1.01, v, f"{name}: {v:.1f} s", fontsize=8, color="tab:purple", va=va, transform=edge)
+ax.set_yscale("log")
+ax.set_ylim(0.02, 3e3)
+ax.set_xticks(list(xs), [f"{r['generated']} tokens" for r in pricing])
+ax.set_ylabel("seconds of recording (log)")
+ax.set_xlabel("request length (256 rows, 8192 context, width multiple 128, 50 ms a graph)")
+ax.set_title("each shape is recorded once per process: lazy totals meet the lists", fontsize=11)
+ax.legend(loc="upper left", fontsize=7.5, ncol=1)
 ax = fig.add_subplot(right[1])
 names = [f"{b['budget_mb']:,} MB" for b in budget]
 ax.bar(names, [b["widest_capture"] for b in budget], color="tab:orange", width=0.5)
@@ -576,12 +637,73 @@ for i, b in enumerate(budget):
     ax.text(i, y, text, ha="center", va="center" if inside else "bottom", fontsize=9)
 ax.axhline(8192, color="gray", ls="--", lw=1)
 ax.set_ylim(0, 11000)
-ax.set_xlabel("graph pool budget (256 rows, 32 heads, fp32 scores)")
+ax.set_xlabel("graph pool budget (fp32 scores, 32 heads, 256 rows)")
 ax.set_ylabel("widest capture, tokens")
-ax.set_title("the budget read as a width ceiling (dashed: max_model_len 8192)", fontsize=11)
+ax.set_title("widest shape a budget allows (dashed: max_model_len 8192)", fontsize=11)
 
 fig.suptitle("Day 55: the capture list moves to startup", fontsize=15)
 png = diagram_path("warm-capture-list.png")
 fig.savefig(png, dpi=100, bbox_inches="tight")
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** does the same three things in the same order, in `Worker`
+#   (`vllm/v1/worker/gpu_worker.py`). `determine_available_memory` runs
+#   `model_runner.profile_run()`, a forward over dummy inputs, to find peak memory, and sizes the
+#   KV cache from what `gpu_memory_utilization` leaves; `compile_or_warm_up_model` then runs
+#   `_dummy_run` for compile sizes outside the capture list and calls
+#   `model_runner.capture_model()` unless `enforce_eager` is set (`--enforce-eager` on the
+#   command line). `GPUModelRunner.capture_model` (`vllm/v1/worker/gpu_model_runner.py`)
+#   records the large shapes first, so that the small ones reuse the pool the large ones
+#   allocated, logs the time and the GiB it took (free memory before minus after), and then
+#   calls `set_cudagraph_capturing_enabled(False)` so that any later capture is an error: the
+#   stance our `check_no_cold_captures` takes as a gate.
+# * Its list is one-dimensional. `CompilationConfig.cudagraph_capture_sizes`
+#   (`vllm/config/compilation.py`) holds token counts; when unset it is generated as
+#   `[1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_cudagraph_capture_size + 1, 16))`,
+#   with `max_cudagraph_capture_size` defaulting to `min(max_num_seqs * 2, 512)`, and the
+#   docstring gives startup time as the reason for the cap. With no width axis the list stays at
+#   a few dozen graphs; our two axes make a product, which is why this notebook had to price
+#   trimming at all.
+# * vLLM's dummy batches are not empty the way ours are: `_dummy_run(num_tokens, ...)` spreads
+#   the tokens over `num_reqs` made-up requests with real query lengths, and for full graphs
+#   builds attention metadata from zeroed dummy block tables (`for_cudagraph_capture=True`).
+#   **nano-vllm** (`nanovllm/engine/model_runner.py`) records from zeroed buffers as well:
+#   `capture_cudagraph` allocates `slot_mapping`, `context_lens` and `block_tables` with
+#   `torch.zeros`, so a capture stores its K/V at slot 0. That is harmless there because it
+#   happens in `ModelRunner.__init__`, right after `warmup_model()` (a dummy prefill that
+#   measures peak memory) and `allocate_kv_cache()`, before any request exists. Our warm batch
+#   writes only the sink, which is what let section 3 warm over pools full of live-looking data
+#   and find nothing changed. nano-vllm walks `reversed(self.graph_bs)`, biggest batch first,
+#   and hands the first graph's `graph.pool()` to every later `torch.cuda.graph(...)`.
+# * **SGLang**'s `CudaGraphRunner` (`python/sglang/srt/model_executor/cuda_graph_runner.py`)
+#   builds its batch sizes in `get_batch_sizes_to_capture` (trimmed by `--cuda-graph-max-bs`),
+#   captures them in reversed order for memory sharing through a module-level
+#   `global_graph_memory_pool`, and its `can_run` sends larger batches down the eager path;
+#   `--disable-cuda-graph` turns capture off.
+#
+# ## Try it
+#
+# 1. **Trim the list and predict what runs eagerly.** On a fresh
+#    `smol_engine(bucket_decode=True, persist_inputs=True, capture_decode=True)`, call
+#    `warm_decode(max_rows=4, max_width=64)` and serve the three prompts of section 3. Predict
+#    first: the list is `warm_shapes(4, 128, 32, max_rows=4, max_width=64)`, 6 shapes; the
+#    longest context reaches 69 on the last of the 31 decode steps, so the steps whose longest
+#    context passes 64 need the `(4, 96)` shape the list lacks. The check: `report.graphs == 6`,
+#    `runner.cold_captures == 0` (nothing is recorded after a warm-up) and
+#    `runner.eager_steps == 5`, with tokens still equal to the plain engine's.
+# 2. **Break the warm-up on purpose.** After `warm.cache.ensure_pools()`, copy the K pools
+#    (`before = [k.clone() for k in warm.cache.k]`), build `plan = warmup_plan((4, 128), table,
+#    inputs)`, aim one row at a real slot with `plan.write_slots[0] = 5`, and record it with
+#    `runner.record(plan)`. The checks: `check_warm_writes_sink(plan, sink)` refuses the plan
+#    ("warm rows [0] write outside the sink ..."), and after the recording
+#    `check_warm_touches_nothing(before, warm.cache.k, sink)` names slot 5 of layer 0.
+# 3. **Redo the fair comparison for another deployment.** For 4096-token requests arriving at
+#    every row count up to 8, compute the lazy lifetime cost from `lazy_captures(4096, 128)`
+#    and the four row buckets, and the startup cost of
+#    `warm_shapes(256, 8192, 128, max_rows=8, max_width=4096)` with `warmup_seconds(..., 0.05)`.
+#    The check: `math.isclose` says they are equal, 6.4 s each; then count how much of the full
+#    list's 28.8 s such a deployment would spend on shapes it never uses.

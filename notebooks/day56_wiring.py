@@ -16,23 +16,26 @@
 # %% [markdown]
 # # Day 56 — Wiring: the warm-up moves into the boot path
 #
-# Day 55 built the warm-up (`nanoserve.warmup`) and left it as a method a caller had to know
-# about. A server started from `serve.py` ran the day-47 loop with buckets, persistent inputs
-# and capture all off. Today `build_engine` threads the three switches and the warm list
-# through, warms after the pool is planned and before it returns, and `create_app` opens the
-# door only after that: `/health` says 503 until the warm list is recorded, then 200 with the
-# pool plan and the warm plan side by side.
+# After Day 55 the warm-up was a method that somebody had to call, and nothing that starts a
+# server called it: a server launched through `serve.py` still decoded as on Day 47, with
+# buckets, persistent inputs and capture all off. Today the boot path does the calling.
+# `build_engine` hands the three switches to the engine, allocates the KV pool, works out how
+# far to trim the warm list, records it, and only then returns. `create_app` answers `/health`
+# with 503 while that happens and with 200, the pool plan and the warm plan, once it is done.
+# A warmed engine records nothing after that: a decode shape its list lacks runs eagerly.
 #
-# 1. `build_engine` with the switches on: the phases it reports, and the trim it chooses,
-# 2. the gates after boot,
+# 1. `build_engine` with the switches on: its phases, the trim it picks, and the pools it
+#    allocates before any request,
+# 2. the gates after boot, and three requests that stay inside the list,
 # 3. a server booted in-process: `/health` 503 while warming, 200 after, and the boot line,
 # 4. a request through the `openai` client and what `/metrics` counted,
-# 5. the day's benchmark (`days/day56/boot.py`): boot cost against cold captures, and
-#    `check_no_cold_captures` failing on the engine booted lazily,
+# 5. the day's benchmark (`days/day56/boot.py`): three boots and what one request met on each,
+#    with `check_no_cold_captures` failing on the lazy one,
 # 6. the diagram.
 
 # %%
 import contextlib
+import csv
 import io
 import sys
 import threading
@@ -49,12 +52,14 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanoserve.buckets import bucket_up, width_buckets
+from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
+from nanoserve.course import REPO, ServerThread, diagram_path
 from nanoserve.engine import build_engine
 from nanoserve.errors import GateError
 from nanoserve.sampling import SamplingParams
-from nanoserve.serve import ServerThread, create_app
+from nanoserve.serve import create_app
 from nanoserve.warmup import (
     check_all_warm,
     check_no_cold_captures,
@@ -77,8 +82,9 @@ print("threads:", torch.get_num_threads())
 #
 # One config carries everything: `bucket_decode`, `persist_inputs` and `capture_decode` switch
 # days 52-54 on, and `warm` (on by default) makes `build_engine` record the warm list before it
-# returns. The trim is decided in `Engine.warm_trim`, after the KV pool is allocated, because
-# that is when the free memory it reads is the memory the graphs will actually get:
+# returns. The trim is decided in `Engine.warm_trim`, and the first thing it does is allocate
+# the KV pool (`cache.ensure_pools()`): only with the pool resident is the free memory it
+# probes the memory the graphs will really get. Its limits:
 #
 # * rows: the scheduler's `max_batch` (or `warm_max_rows` if smaller) — a batch never has more;
 # * width: the smallest of the context the deployment serves (`max_model_len`), the operator's
@@ -112,29 +118,37 @@ print(f"graphs {report.graphs}, bytes held {report.bytes:,} (= sum of rows x 491
 print(f"built in {built_s:.1f} s, of which warming {report.seconds:.2f} s")
 assert report.shapes == warm_shapes(4, 1024, 32, max_rows=4, max_width=96)
 assert report.bytes == sum(r * 49152 * 4 for r, _ in report.shapes)
+pools = engine.cache.k + engine.cache.v
+print(f"K/V pools allocated before any request: {len(pools)} tensors, {engine.cache.allocated_bytes:,} bytes")
+assert all(t is not None for t in pools) and engine.runner.lazy is False
 
 # %% [markdown]
 # ## 2. The gates after boot
 #
-# Day 55's gates, now run on what `build_engine` returned: every shape of the list has its
-# graph, every graph froze the empty row tuple (it came from a warm plan, not from a step that
-# slipped past), the slot table is still where the graphs were recorded against, and no shape
-# needs more score memory than the free memory holds. Then three requests run; the longest
-# reaches a 96-token context, the top of the list, so the run records nothing in front of them.
+# Day 55's gates, run on what `build_engine` handed back: each shape of the list has its graph,
+# each graph froze `rows=()` (so it came from the warm-up, not from a request's step), the slot
+# table is at the address the largest graph's window points into, and no shape needs more score
+# memory than is free. Then three requests of 40 tokens: the longest context any decode step
+# sees is printed below, and its width bucket is the widest shape in the list, so every step has
+# a graph, nothing is recorded and nothing runs eagerly.
 
 # %%
 heads = engine.model.cfg.num_heads
 check_all_warm(report.shapes, engine.runner.graphs)
 check_warm_graphs_unbound(engine.runner.graphs)
-address = engine.runner.slot_table.address
+address = engine.runner.graphs[report.shapes[0]].args[0].slot_window.data_ptr()  # where it reads
 check_table_stable(engine.runner.slot_table, address)
 check_warm_budget(report.shapes, warm_budget_bytes(engine.model.device), heads)
 prompts = [[{"role": "user", "content": q}] for q in ("Hi!", "What is 2+2?", "Name a colour.")]
 outs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
 longest = max(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outs)
 print("longest decode context:", longest, "| graphs now:", len(engine.runner.graphs))
-print("cold captures after three requests:", engine.runner.cold_captures)
+width = bucket_up(longest, width_buckets(engine.max_model_len, 32))
+print(f"its width bucket: {width} (the list's widest: {report.max_width})")
+runner = engine.runner
+print("after three requests: cold captures", runner.cold_captures, "| eager steps", runner.eager_steps)
 check_no_cold_captures(engine.runner.cold_captures)
+assert width == report.max_width == 96 and engine.runner.eager_steps == 0
 print("all gates pass")
 
 # %% [markdown]
@@ -203,7 +217,7 @@ reply = client.chat.completions.create(
 print(repr(reply.choices[0].message.content), reply.choices[0].finish_reason, reply.usage.completion_tokens)
 families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
 for name in ["nanoserve_requests", "nanoserve_generation_tokens", "nanoserve_kv_blocks_used",
-             "nanoserve_warm_graphs", "nanoserve_cold_captures"]:
+             "nanoserve_warm_graphs", "nanoserve_cold_captures", "nanoserve_eager_decode_steps"]:
     for s in families[name].samples:
         if not s.name.endswith("_created"):
             print(f"{s.name}{s.labels or ''} = {s.value:g}")
@@ -212,22 +226,28 @@ server.__exit__(None, None, None)
 # %% [markdown]
 # ## 5. The benchmark: what the list costs at boot, what it saves a request
 #
-# `days/day56/boot.py` boots the default model three ways — lazily (`warm=False`, yesterday's
-# server), warm to width 64, warm to width 128 — and sends one chat request of 40 tokens to
-# each. The deterministic columns: how many graphs the warm-up recorded and what they hold, and
-# how many graphs the request still recorded in front of the client, next to the count
-# predicted from the width buckets its contexts touch that the list lacks. The tokens are the
-# same in all three (a recording is a step); the gate `check_no_cold_captures` is what tells
-# the boots apart.
+# `days/day56/boot.py` boots the default model three times: lazily (`warm=False`, which records
+# as Day 54 did), with the list cut at width 64, and cut at width 128. Each boot gets one chat
+# request of 40 tokens. The deterministic columns say what the warm-up recorded and what that
+# holds, then what the request met: graphs recorded while it waited (`cold_captures`) and decode
+# steps that ran with no graph (`eager_steps`), each beside the count worked out from the width
+# buckets its contexts pass through. Lazily, each new width is recorded once; after a warm
+# list, nothing is recorded and each step whose width the list lacks runs eagerly. The tokens
+# match across the three boots, so the output cannot tell them apart; `check_no_cold_captures`
+# can.
 
 # %%
 with contextlib.redirect_stderr(io.StringIO()):
     rows = boot.boot_table(MODEL_DIR)
 facts = ["config", "graphs", "warm_mb", "prompt_tokens", "generated", "cold_captures", "predicted_cold",
-         "same_tokens"]
+         "eager_steps", "predicted_eager", "same_tokens"]
 for r in rows:
     print("  ".join(f"{k}={r[k]}" for k in facts))
 assert all(r["cold_captures"] == r["predicted_cold"] and r["same_tokens"] == "yes" for r in rows)
+assert all(r["eager_steps"] == r["predicted_eager"] for r in rows)
+with open(REPO / "days" / "day56" / "day-56-boot.csv") as f:  # the journal's table
+    committed = list(csv.DictReader(f))
+assert [[str(r[k]) for k in facts] for r in rows] == [[r[k] for k in facts] for r in committed]
 try:  # the lazily booted engine is yesterday's server: the gate that guards the boot path fails
     check_no_cold_captures(rows[0]["cold_captures"])
 except GateError as e:
@@ -242,10 +262,23 @@ for r in rows:
           f"first token {r['first_token_ms']:.0f} ms, request {r['request_s']:.2f} s")
 
 # %% [markdown]
-# On this CPU a recorded graph is a `HostGraph`, whose replay does the step's work again, so
-# warming saves a request no compute: the cold column is the thing to read. What the lazy boot
-# does pay on its first request is the KV pool itself: the pools are allocated on the first
-# write of each layer, which in a warmed process is the warm-up's throwaway write to the sink.
+# On this CPU a recorded graph is a `HostGraph`, whose replay repeats the step's work, so a warm
+# list saves a request no compute, and the counts above are the thing to read. The timings do
+# differ in one place, the first token, and the reason is memory, not graphs. A cache allocates
+# a layer's K and V pools when something first writes to that layer (`_ensure_pool`). In a
+# warmed boot that happens inside `build_engine`: `Engine.warm_trim` calls
+# `cache.ensure_pools()` before it probes free memory, so every pool exists before the first
+# graph is recorded, and the warm-up's writes to the sink land in pools that are already there
+# (section 1 printed their size). In the lazy boot nothing calls `ensure_pools`, so the first
+# request's prefill allocates and zero-fills each layer's pools on its way through the model.
+# A cache that nothing has written to holds no pool memory at all:
+
+# %%
+bare = BatchedPagedKVCache(engine.model.cfg, num_slots=16)
+print("pool bytes before any write:", bare.allocated_bytes)
+bare.ensure_pools()
+print(f"after ensure_pools: {bare.allocated_bytes:,} bytes (17 slots with the sink, 30 layers, K and V)")
+assert bare.allocated_bytes == 2 * 30 * 17 * engine.model.cfg.num_kv_heads * engine.model.cfg.head_dim * 4
 
 # %% [markdown]
 # ## 6. The diagram
@@ -260,7 +293,7 @@ spans = [("loading", starts["loading"], starts["warming"]), ("warming", starts["
 for i, (name, a, b) in enumerate(spans):
     ax.barh(0, b - a, left=a, color=["#8da0cb", "#fc8d62"][i], label=f"{name} ({b - a:.2f} s)")
 ax.axvline(built_s, color="k", ls="--", lw=1)
-ax.text(built_s, 0.45, " door opens\n (/health 200)", va="center", fontsize=9)
+ax.text(built_s, 0.6, "door opens (/health 200) ", ha="right", va="center", fontsize=9)
 ax.set_yticks([])
 ax.set_xlabel("seconds since build_engine was called")
 ax.set_title("build_engine's phases, as /health reports them")
@@ -284,16 +317,22 @@ ax.legend(lines, [h.get_label() for h in lines], loc="upper left", fontsize=9)
 
 ax = axes[1, 0]
 x = range(len(rows))
-ax.bar([i - 0.2 for i in x], [r["cold_captures"] for r in rows], 0.4, label="recorded mid-request")
-ax.bar([i + 0.2 for i in x], [r["predicted_cold"] for r in rows], 0.4, label="predicted (widths missing)")
+bars = [
+    ("cold_captures", "recorded in front of the request", "tab:red", -0.3),
+    ("predicted_cold", "recordings predicted", "#f4a6a6", -0.1),
+    ("eager_steps", "decode steps run eagerly", "tab:blue", 0.1),
+    ("predicted_eager", "eager steps predicted", "#a6c8f4", 0.3),
+]
+for col, label, color, dx in bars:
+    ax.bar([i + dx for i in x], [r[col] for r in rows], 0.2, label=label, color=color)
+    for i, r in enumerate(rows):
+        ax.text(i + dx, r[col] + 0.15, str(r[col]), ha="center", fontsize=9)
 ax.set_xticks(list(x), [f"{r['config']}\n({r['graphs']} graphs)" for r in rows])
-for i, r in enumerate(rows):
-    ax.text(i - 0.2, r["cold_captures"] + 0.03, str(r["cold_captures"]), ha="center")
-    ax.text(i + 0.2, r["predicted_cold"] + 0.03, str(r["predicted_cold"]), ha="center")
 ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-ax.set_ylabel("graphs")
-ax.set_title(f"cold captures of one {rows[0]['generated']}-token request")
-ax.legend()
+ax.set_ylim(0, 1.35 * max(max(r["eager_steps"], r["cold_captures"]) for r in rows) + 1)
+ax.set_ylabel("count")
+ax.set_title(f"what one {rows[0]['generated']}-token request met on each boot")
+ax.legend(fontsize=9, loc="upper left")
 
 ax = axes[1, 1]
 ax.bar([i - 0.2 for i in x], [r["boot_s"] for r in rows], 0.4, label="boot (s)")
@@ -307,3 +346,50 @@ path = diagram_path("day56-wiring.png")
 fig.savefig(path, dpi=110)
 plt.close(fig)
 display(Image(filename=str(path)))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** orders its boot the same way and keeps the HTTP side shut until the end, but shuts
+#   it differently. In `vllm/entrypoints/openai/api_server.py`, `setup_server` binds the port
+#   first (a workaround against a race with Ray, the comment says), then `run_server_worker`
+#   builds the engine inside `build_async_engine_client`, and only after that does
+#   `build_and_serve` create the FastAPI app and start uvicorn with `serve_http`. While the
+#   engine is being built the socket is bound but nothing answers on it, so a probe gets no
+#   `/health` at all; ours listens from the start and answers 503 with the phase.
+# * Inside the engine, vLLM's `Worker` (`vllm/v1/worker/gpu_worker.py`) sizes the KV cache by
+#   profiling (`determine_available_memory` runs `profile_run` and subtracts the peak from
+#   `gpu_memory_utilization` of the device), allocates it (`initialize_from_config`), and then
+#   runs `compile_or_warm_up_model`, which captures the graphs and afterwards warms the sampler
+#   with `_dummy_sampler_run`, placed after capture on purpose so that `torch.cuda.empty_cache`
+#   during capture cannot release its buffers. Newer versions also estimate graph memory before
+#   the real capture (`GPUModelRunner.profile_cudagraph_memory` captures the first two graphs
+#   of each mode into a throwaway pool and extrapolates). Our order plans the pool from a
+#   configured budget instead of a profile, allocates it in `warm_trim`, and then turns the
+#   memory that is left into a width ceiling for the list.
+# * A shape past the list runs eagerly in all three systems, as it now does in ours
+#   (`runner.eager_steps`, and `nanoserve_eager_decode_steps` on `/metrics`): vLLM's
+#   `CudagraphDispatcher.dispatch` returns `CUDAGraphMode.NONE` for a batch without a key, and
+#   nano-vllm's `run_model` takes the eager branch for prefill, `enforce_eager` or more than 512
+#   tokens. nano-vllm has no server; its whole warm-up (`warmup_model`, `allocate_kv_cache`,
+#   `capture_cudagraph`) runs in `ModelRunner.__init__`, so an `LLM` object that exists is a
+#   warm one, which is the promise our `build_engine` now makes.
+#
+# ## Try it
+#
+# 1. **Predict the eager steps of a trimmed list.** Build an engine from `config` with
+#    `warm_max_width=64` and run section 2's three requests on it. Predict with
+#    `boot.predicted(37, 40, 64, 1024)`: the longest prompt is 37 tokens, its contexts run from
+#    38 to 76, and the steps past 64 need the missing width 96. The check:
+#    `engine.runner.eager_steps` equals the second number (12), `cold_captures` stays 0, and the
+#    tokens equal the 96-wide engine's.
+# 2. **Break the boot's promise on purpose.** On that engine set `engine.runner.lazy = True`
+#    (what a warmed engine no longer does) before the three requests. The checks: the run
+#    records `(4, 96)` in front of the requests, `check_no_cold_captures(engine.runner.cold_captures)`
+#    raises with "1 graphs were recorded mid-run after warming", and
+#    `check_warm_graphs_unbound(engine.runner.graphs)` names `(4, 96)` as recorded over real
+#    rows.
+# 3. **Watch the door stay shut on a failed boot.** In section 3's `builder`, raise
+#    `RuntimeError("out of memory")` when the phase is `"warming"` instead of waiting. The
+#    check: `/health` answers 503 with `{"status": "failed", "error": "RuntimeError: out of
+#    memory"}`, `/v1/completions` still answers 503, and no boot line is printed.

@@ -39,16 +39,37 @@ def calendar(n_days=56):
     return days
 
 
-def test_calendar_agrees_with_the_seed():
+def test_day_55_falls_on_its_fixed_date():
     assert calendar()[55] == (dt.date(2026, 9, 9), 13, 5, "Benchmark and optimize")
 
 
-def test_journal_readme_table_is_the_rule():
+def calendar_rows():
+    """journal/README.md's table: day -> (date, week, phase, phase name, entry column)."""
     rows = re.findall(
-        r"^\| (\d+) \| (\S+) \| \w+ \| (\d+) \| (\d) (.+?) \|$", (JOURNAL / "README.md").read_text(), re.M
+        r"^\| (\d+) \| (\S+) \| \w+ \| (\d+) \| (\d) ([^|]+?) \| ([^|]+?) \|$",
+        (JOURNAL / "README.md").read_text(),
+        re.M,
     )
-    got = {int(n): (dt.date.fromisoformat(d), int(w), int(p), name) for n, d, w, p, name in rows}
+    return {
+        int(n): (dt.date.fromisoformat(d), int(w), int(p), name, entry) for n, d, w, p, name, entry in rows
+    }
+
+
+def test_journal_readme_table_is_the_rule():
+    got = {n: row[:4] for n, row in calendar_rows().items()}
     assert got == calendar()
+
+
+def test_journal_readme_marks_planned_exactly_the_days_without_an_entry():
+    for n, (*_, entry) in calendar_rows().items():
+        if (JOURNAL / f"day-{n:02d}.md").is_file():
+            assert entry == f"[written](day-{n:02d}.md)", (
+                f"journal/README.md: day {n} is written, not {entry!r}"
+            )
+        else:
+            assert entry == "planned", (
+                f"journal/README.md: day {n} has no entry; mark it planned, not {entry!r}"
+            )
 
 
 def entries():
@@ -94,22 +115,61 @@ def normalize(cell: str) -> str:
         return cell
 
 
-@pytest.mark.parametrize("path", entries(), ids=lambda p: p.name)
-def test_journal_tables_equal_their_csvs(path):
-    for csv_path, columns, rows in markdown_tables(path.read_text()):
+def table_disagreements(name: str, text: str) -> list[str]:
+    """Every way the marked tables of an entry's text differ from their CSVs, one line each."""
+    found = []
+    for csv_path, columns, rows in markdown_tables(text):
         with open(REPO / csv_path) as f:
             expected = list(csv.DictReader(f))
-        assert len(rows) == len(expected), f"{path.name}: {csv_path} has {len(expected)} rows"
-        for got, want in zip(rows, expected):
+        if len(rows) != len(expected):
+            found.append(f"{name}: {csv_path} has {len(expected)} rows, the table {len(rows)}")
+        for i, (got, want) in enumerate(zip(rows, expected)):
             for col in columns:
-                assert normalize(got[col]) == normalize(want[col]), f"{path.name} {csv_path} {col}"
+                if col not in got or normalize(got[col]) != normalize(want[col]):
+                    found.append(
+                        f"{name} {csv_path} row {i + 1} {col}: {got.get(col)!r}, the CSV {want[col]!r}"
+                    )
+    return found
 
 
-def test_a_table_that_disagrees_with_its_csv_is_caught(tmp_path):
-    text = "<!-- table: x.csv columns=a -->\n| a | b |\n|---|---|\n| 1,953 | 2 |\n"
-    ((_, cols, rows),) = markdown_tables(text)
-    assert normalize(rows[0]["a"]) == normalize("1953")
-    assert normalize(rows[0]["a"]) != normalize("1954")
+@pytest.mark.parametrize("path", entries(), ids=lambda p: p.name)
+def test_journal_tables_equal_their_csvs(path):
+    assert not table_disagreements(path.name, path.read_text())
+
+
+def test_normalize_folds_thousands_separators_and_trailing_zeros():
+    assert normalize("1,953") == normalize("1953") == normalize("`1953.0`")
+    assert normalize("0.50") == normalize("0.5")
+    assert normalize("1,953") != normalize("1954")
+
+
+def test_a_table_that_disagrees_with_its_csv_is_caught():
+    """A real entry whose table is checked against its CSV, with one compared cell changed in
+    memory (the file is not touched): the check the real entries pass must fail on it."""
+    agree = [
+        p
+        for p in entries()
+        if markdown_tables(p.read_text()) and not table_disagreements(p.name, p.read_text())
+    ]
+    if not agree:
+        pytest.skip("no journal entry has a marked table that equals its CSV")
+    path = agree[0]
+    text = path.read_text()
+    m = re.search(r"<!-- table: (\S+) columns=(\S+) -->\n((?:\|.*\|\n?)+)", text)
+    csv_path, columns, table = m[1], m[2].split(","), m[3]
+    with open(REPO / csv_path) as f:
+        want = next(csv.DictReader(f))
+    numeric = [c for c in columns if normalize(want[c]) != want[c].strip()]  # a number, if any is
+    column = (numeric or columns)[0]
+    header, _, first, *_ = table.splitlines()
+    cells = first.split("|")
+    k = [c.strip() for c in header.split("|")].index(column)
+    right = want[column]
+    cells[k] = f" {float(right.replace(',', '')) + 1:g} " if numeric else f" not-{right} "
+    planted = text[: m.start(3)] + table.replace(first, "|".join(cells), 1) + text[m.end(3) :]
+    found = table_disagreements(path.name, planted)
+    assert found, f"a wrong {column} in {path.name}'s table of {csv_path} went unnoticed"
+    assert f"{csv_path} row 1 {column}" in found[0], found
 
 
 def notebook_pairs():

@@ -3,13 +3,13 @@
 For each chat prompt: greedy-decode up to `max_tokens` tokens with `nanoserve.generate.
 greedy_tokens` and with transformers' `generate`, compare the token ids, then run both models
 over the prompt plus the continuation in one forward and take the largest |logit difference|
-over every position and every vocabulary entry (and, for the diagram, the smallest gap between
-the top two logits at any greedy step: how close a tie came). The CSV records facts that hold on any machine
-where the gate holds: counts, yes/no, and the logit difference as a bound ("<1e-3"), not as a
-raw float.
+over every position and every vocabulary entry, and the smallest gap between our top two logits
+at any greedy step (how close a tie came). The CSV records counts, yes/no, the logit difference
+as a bound ("<1e-3") rather than as a raw float, and that gap rounded to three decimals.
 
     python days/day07/parity.py                          # 5 prompts, 24 tokens -> day-07-parity.csv
-    python days/day07/parity.py --max-tokens 256 --prompt "Tell me a story." --out /tmp/p.csv
+    python days/day07/parity.py --max-tokens 256 --out days/day07/day-07-parity-256.csv
+    python days/day07/parity.py --prompt "Tell me a story." --out /tmp/p.csv
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from nanoserve.weights import resolve_model_dir
 
 HERE = Path(__file__).resolve().parent
 CSV = HERE / "day-07-parity.csv"
+CSV_LONG = HERE / "day-07-parity-256.csv"  # the same five prompts run to their end of turn (--max-tokens 256)
 LOGIT_BOUND = 1e-3  # fp32 on both sides: the same operations, summed in a different order at most
 BOUND_TEXT = "<1e-3"
 MAX_TOKENS = 24  # per prompt: two prompts end on EOS before it, and the notebook stays under 30 s
@@ -107,6 +108,7 @@ class PromptParity:
             "identical": "yes" if self.ours == self.theirs else "no",
             "logit_positions": len(self.prompt_ids) + len(self.ours),
             "max_abs_dlogit": BOUND_TEXT if self.max_dlogit < LOGIT_BOUND else f"{self.max_dlogit:.1e}",
+            "min_top2_gap": f"{self.min_margin:.3f}",
         }
 
 

@@ -13,8 +13,8 @@ allocator happened to reuse. Three engines:
 
 For each it counts the distinct addresses of input_ids, positions, write_slots, context_lens,
 logits_at and slot_window, runs `check_addresses_stable` from the first decode step on, counts
-how many replays of a toy graph (recorded on the first step of each shape, reading input_ids and
-positions) saw the replaying step's numbers, and checks the tokens against the eager engine's.
+how many replays of a toy graph (recorded on the first decode plan of every shape, reading
+input_ids and positions) saw the replaying step's numbers, and checks the tokens against the eager engine's.
 The two timing columns (the median time to plan a decode step, and to run any step) are
 measurements on whatever machine runs this, not facts.
 

@@ -1,10 +1,18 @@
-"""Day 55's benchmark: lazy captures against a warmed capture list (host only, no weights).
+"""Day 55's benchmark: graphs recorded lazily against a list recorded at startup (CPU, no weights).
 
-A tiny random-weight Llama runs 2 requests off one 16-token prompt at width multiple 32 and
-generates 8, 32, 64 and 128 tokens, once capturing lazily and once after `Engine.warm_decode`.
-The cold column (graphs recorded mid-run) must equal `lazy_captures` and be 0 after warming.
-Then the same arithmetic at serving size (256 rows, 8192 tokens, width multiple 128, 50 ms a
-graph) and what a memory budget buys read as a width ceiling (256 rows, 32 heads, fp32 scores).
+Three tables, one CSV each:
+
+* `day-55-warmbench.csv`: a tiny random-weight Llama generates 8, 32, 64 and 128 tokens for two
+  requests that share one 16-token prompt (width buckets of 32), first with lazy recording and
+  then after `Engine.warm_decode`. The graphs recorded mid-run must equal `lazy_captures` in the
+  first case and be 0 in the second, with the same tokens.
+* `day-55-pricing.csv`: the same arithmetic at serving size (256 rows, 8192 tokens, buckets of
+  128, an assumed 50 ms per recording). A recorded graph lives as long as the process, so besides
+  what the first request of a length waits (`stall_s`) it gives what lazy recording pays over a
+  process lifetime in which requests of that length arrive at every row count up to 8
+  (`lazy_rows8_s`) or at all nine (`lazy_all_rows_s`), next to the startup cost of three lists.
+* `day-55-budget.csv`: a memory budget turned into the widest shape it allows, for fp32 scores
+  of 32 heads over 256 rows, and how many of the 576 shapes that keeps.
 
     python days/day55/warmbench.py            # writes the three CSVs next to this file
 """
@@ -17,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.buckets import row_buckets
 from nanoserve.config import EngineConfig
 from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
@@ -28,8 +37,8 @@ HERE = Path(__file__).resolve().parent
 TINY = tiny_config(max_position_embeddings=512)
 
 
-def tiny_model(seed: int = 0) -> Llama:
-    return tiny_llama(seed, 0.05, TINY.max_position_embeddings)
+def tiny_model(init: int = 0) -> Llama:
+    return tiny_llama(init, 0.05, TINY.max_position_embeddings)
 
 
 def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple=32):
@@ -37,7 +46,7 @@ def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple
     per_block = TINY.kv_bytes_per_token(torch.float32) * 16
     config = EngineConfig(
         max_batch=rows,
-        max_model_len=max(64, prompt_len + generated),  # at least two width buckets, as in the seed
+        max_model_len=max(64, prompt_len + generated),  # never fewer than two width buckets
         kv_budget=per_block * 64,
         width_multiple=width_multiple,
         bucket_decode=True,
@@ -80,21 +89,32 @@ def cold_table(lengths=(8, 32, 64, 128)) -> list[dict]:
 
 
 def pricing_table(per_graph=0.05) -> list[dict]:
+    """Seconds of recording for one request length at a time. Lazy recording pays each (rows,
+    width) shape once per process, in front of the first request that reaches it; warming pays
+    every shape of its list once, at startup. So the like-for-like lazy figures are lifetime
+    sums: the widths one request crosses, times the row buckets its traffic arrives at."""
     serving = dict(max_batch=256, max_model_len=8192, width_multiple=128)
     full = warmup_seconds(warm_shapes(**serving), per_graph)
     rows8 = warmup_seconds(warm_shapes(**serving, max_rows=8), per_graph)
     rows8_ctx = warmup_seconds(warm_shapes(**serving, max_rows=8, max_width=2048), per_graph)
-    return [
-        {
-            "generated": n,
-            "lazy_graphs": lazy_captures(n, 128),
-            "stall_s": f"{stall_seconds(n, 128, per_graph):.2f}",
-            "warm_full_s": f"{full:.2f}",
-            "warm_rows8_s": f"{rows8:.2f}",
-            "warm_rows8_ctx2048_s": f"{rows8_ctx:.2f}",
-        }
-        for n in (128, 512, 2048, 8192)
-    ]
+    rows_upto8 = len([r for r in row_buckets(serving["max_batch"]) if r <= 8])  # 1, 2, 4, 8
+    all_rows = len(row_buckets(serving["max_batch"]))  # 9
+    out = []
+    for n in (128, 512, 2048, 8192):
+        widths = lazy_captures(n, 128)  # width buckets one request of n tokens crosses
+        out.append(
+            {
+                "generated": n,
+                "lazy_graphs": widths,
+                "stall_s": f"{stall_seconds(n, 128, per_graph):.2f}",
+                "lazy_rows8_s": f"{widths * rows_upto8 * per_graph:.2f}",
+                "lazy_all_rows_s": f"{widths * all_rows * per_graph:.2f}",
+                "warm_full_s": f"{full:.2f}",
+                "warm_rows8_s": f"{rows8:.2f}",
+                "warm_rows8_ctx2048_s": f"{rows8_ctx:.2f}",
+            }
+        )
+    return out
 
 
 def budget_table() -> list[dict]:

@@ -1,10 +1,12 @@
 """Day 56's benchmark: what the warm list costs at boot and what it saves a request.
 
-For each configuration the default model is built with `build_engine` (the day's wiring: pool
-planned, warm list trimmed and recorded before the engine is handed back), then one chat
-request generates a fixed number of tokens. The table says how many graphs the warm-up
-recorded, what they hold, and how many graphs the request still had to record in front of the
-client (the cold column), against `lazy_captures`'s prediction for the shapes the list lacks.
+Each configuration builds the default model with `build_engine` (the day's wiring: pool planned
+and allocated, warm list trimmed and recorded before the engine is handed back) and sends one
+chat request of a fixed number of tokens. Per boot the table gives the graphs the warm-up
+recorded and the memory they hold, then what the request met: graphs recorded while it waited
+(`cold_captures`) and decode steps that ran with no graph at all (`eager_steps`), each next to
+the count the width buckets predict. Recording lazily, every width the request grows into is
+recorded once; after a warm list, nothing is recorded and a width past the list runs eagerly.
 
     python days/day56/boot.py                        # writes day-56-boot.csv next to this file
     python days/day56/boot.py --tokens 200 --widths 64 128 256 512
@@ -26,12 +28,18 @@ HERE = Path(__file__).resolve().parent
 QUESTION = [{"role": "user", "content": "Tell me about lighthouses."}]
 
 
-def predicted_cold(prompt_len: int, generated: int, warm_width: int, max_model_len: int, multiple=32) -> int:
-    """Width buckets a one-row decode touches (contexts prompt_len + 1 ... prompt_len + generated
-    - 1) that the warm list does not hold (0 rows warmed: every one of them)."""
+def predicted(
+    prompt_len: int, generated: int, warm_width: int | None, max_model_len: int, multiple=32
+) -> tuple[int, int]:
+    """(recordings, eager steps) for one request decoding at contexts prompt_len + 1 ...
+    prompt_len + generated - 1. With no warm list (warm_width None) each width bucket those
+    contexts reach is recorded once and nothing runs eagerly; with a list up to warm_width,
+    nothing is recorded and every step whose bucket is wider than the list runs eagerly."""
     widths = width_buckets(max_model_len, multiple)
-    touched = {bucket_up(n, widths) for n in range(prompt_len + 1, prompt_len + generated)}
-    return sum(w > warm_width for w in touched)
+    buckets = [bucket_up(n, widths) for n in range(prompt_len + 1, prompt_len + generated)]
+    if warm_width is None:
+        return len(set(buckets)), 0
+    return 0, sum(w > warm_width for w in buckets)
 
 
 def boot_row(model_dir, max_batch: int, warm_width: int | None, tokens: int, max_model_len: int) -> dict:
@@ -60,6 +68,7 @@ def boot_row(model_dir, max_batch: int, warm_width: int | None, tokens: int, max
                 first = first if first is not None else time.perf_counter() - t1
     total = time.perf_counter() - t1
     prompt_len = len(engine.encode_prompt(QUESTION))
+    cold, eager = predicted(prompt_len, len(tokens), warm_width, engine.max_model_len)
     return {
         "config": "lazy" if warm_width is None else f"warm to {warm_width}",
         "max_batch": max_batch,
@@ -69,7 +78,9 @@ def boot_row(model_dir, max_batch: int, warm_width: int | None, tokens: int, max
         "prompt_tokens": prompt_len,
         "generated": len(tokens),
         "cold_captures": engine.runner.cold_captures,
-        "predicted_cold": predicted_cold(prompt_len, len(tokens), warm_width or 0, engine.max_model_len),
+        "predicted_cold": cold,
+        "eager_steps": engine.runner.eager_steps,
+        "predicted_eager": eager,
         "tokens": tokens,
         "boot_s": round(boot_s, 2),
         "warm_s": round(report.seconds, 2) if report else 0.0,
