@@ -7,8 +7,8 @@
     temperature t      -> logits / t, then top-k, then top-p (nucleus), then one draw
 
 A temperature below `SAMPLING_EPS` is greedy rather than a division: logits / 1e-39 are inf,
-their softmax NaN, and `multinomial` would raise for the whole batch (vLLM draws the same line
-at the same 1e-5). `sample_rows` keeps one row's failure to that row: a row whose logits are
+their softmax NaN, and `multinomial` raises (before `sample_rows`, that one draw ended every
+request of its step; vLLM draws the greedy line at the same 1e-5). `sample_rows` keeps one row's failure to that row: a row whose logits are
 not finite, or whose draw raises, comes back as a sentence instead of a token, and the other
 rows of the step keep theirs.
 

@@ -89,11 +89,23 @@ assert total == 134_515_008 * 4 == sum(n * w.numel() * 4 for n, w in mats.values
 
 # %% [markdown]
 # The read bandwidth torch gets on this machine (the best of a few sums over 256 MB) turns those
-# bytes into a floor for the step:
+# bytes into a floor for the step. Section 6 also needs what the cores compute at best, so the
+# same cell times a square 1024 x 1024 fp32 matmul (best of five). Both are this run's numbers
+# on a shared machine.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 bandwidth = read_bandwidth_gbs(256)
 print(f"read bandwidth {bandwidth:.1f} GB/s -> streaming the weights takes {total / bandwidth / 1e6:.1f} ms")
+sq_a, sq_b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+sq_a @ sq_b
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter()
+    sq_a @ sq_b
+    best = min(best, time.perf_counter() - t0)
+matmul_gflop_s = 2 * 1024**3 / best / 1e9
+print(f"fp32 matmul 1024 x 1024: {matmul_gflop_s:.0f} GFLOP/s")
 
 # %% [markdown]
 # ## 2. One decode step through the engine
@@ -139,16 +151,25 @@ count = {}
 for e in events:
     count[e.name] = count.get(e.name, 0) + 1
 print(f"aten ops in one decode step: {len(events):,}, of which {len(from_python):,} called from Python")
-for name in ("aten::bmm", "aten::index_select", "aten::scaled_dot_product_attention", "aten::rms_norm"):
-    print(f"  {name:36s} {count[name]:4d} calls")
+for name in (
+    "aten::bmm",
+    "aten::index_select",
+    "aten::scaled_dot_product_attention",
+    "aten::rms_norm",
+    "aten::as_strided",
+    "aten::transpose",
+    "aten::view",
+):
+    print(f"  {name:36s} {count[name]:5,d} calls")
 # every block runs four matrices, two norms, one attention; plus the head and the final norm
 assert count["aten::bmm"] == 4 * cfg.num_layers + 1 and count["aten::rms_norm"] == 2 * cfg.num_layers + 1
 assert count["aten::index_select"] == 2 * cfg.num_layers  # the K and the V gather of each layer
 
 # %% [markdown]
-# Sorted by self time, the table below is today's measurement (it varies with the machine's
-# load, so nbval does not compare it). Three ops take most of the step: the batched matmuls,
-# the K/V gather, and the attention kernel. The long tail is hundreds of small calls.
+# Sorted by self time, the table below is this run's measurement (it varies with the machine's
+# load, so nbval does not compare it). `bmm`, the matrices, has most of the op self time by far;
+# the next few (the attention kernel, copies, the K/V gather) have a couple of percent each, and
+# after them comes a long tail of small calls, many of them the views counted above.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -242,17 +263,32 @@ for r in wide:
 with open(ps.CSV) as f:
     committed = list(csv.DictReader(f))
 assert [[str(r[c]) for c in facts] for r in wide] == [[r[c] for c in facts] for r in committed], "rerun"
+for b in ps.BATCHES:
+    s = ps.summary(profiles[b])
+    print(f"batch {b}: {s['py_calls']:,} aten ops called from Python a step, {s['aten_calls']:,} in all")
 
 # %% [markdown]
-# What the counts say, before any clock:
+# What the counts say, before any clock (the asserts below hold them):
 #
-# * One step calls about 2,150 aten ops from Python and about 7,000 in all. RMSNorm is one
-#   call from Python and two dozen inside it (61 norms, 1,464 ops); a paged attention is 20
-#   calls per layer (the gather, the mask, SDPA, the zeroing of empty rows).
+# * A step calls the same number of aten ops from Python at batch 1 and 8, and about three
+#   times as many in all. RMSNorm is one call from Python and 24 inside it (61 norms); a paged
+#   attention is 20 calls per layer (the gather, the mask, SDPA, the zeroing of empty rows).
 # * Each matrix is 7 calls from Python: `linear` splits the weight into one slab per thread and
 #   runs one `bmm`, then views the slabs back together. At batch 8 that last reshape has to copy
 #   (the rows are no longer one contiguous line), which adds 4 nested ops per matrix.
 # * Every matrix stage reads the same MB at batch 1 and 8 and does 8 times the FLOPs.
+
+# %%
+by_stage = {r["stage"]: r for r in wide}
+L = cfg.num_layers
+matrices = {"qkv_proj": L, "o_proj": L, "mlp_gate_up": L, "mlp_down": L, "head": 1}
+assert by_stage["norm"]["py_calls"] == 2 * L + 1 and by_stage["norm"]["aten_calls_b1"] == 24 * (2 * L + 1)
+assert by_stage["attention"]["py_calls"] == 20 * L
+for stage, n in matrices.items():
+    r = by_stage[stage]
+    assert r["py_calls"] == 7 * n and r["aten_calls_b8"] - r["aten_calls_b1"] == 4 * n
+    assert r["mb_read_b1"] == r["mb_read_b8"] and abs(r["mflop_b8"] - 8 * r["mflop_b1"]) < 1
+print("per norm 24 nested ops, per layer 20 attention calls, per matrix 7 calls (+4 at batch 8): as stated")
 #
 # The times (measured; they differ from run to run):
 
@@ -277,7 +313,9 @@ for b in ps.BATCHES:
 # For the five matrix stages the step's arithmetic gives the bytes read; divided by the stage's
 # time, that is the bandwidth each achieves, to set against the read bandwidth measured above.
 # At batch 1 a matrix stage is a stream of weights through the cores; at batch 8 the same bytes
-# carry 8 times the FLOPs.
+# carry 8 times the FLOPs, so each batch's last line also sets the matrices' FLOP rate against
+# the square matmul timed in section 1. A stage well below both the read bandwidth and that
+# rate is limited by neither: it is losing time somewhere else.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -293,6 +331,11 @@ for b in ps.BATCHES:
     )
     for r in rs:
         print(f"    {r['stage']:12s} {r['mb_read']:7.2f} MB  {r['ms']:6.2f} ms  {r['gb_s']:5.1f} GB/s")
+    gflop = sum(r["mflop"] for r in rs) / 1e3
+    print(
+        f"  the matrices did {gflop:.2f} GFLOP: {gflop / ms * 1e3:.0f} GFLOP/s, against "
+        f"{matmul_gflop_s:.0f} GFLOP/s for the square 1024 matmul above"
+    )
 
 # %%
 mb_b1 = {r["stage"]: r["mb_read"] for r in table if r["batch"] == 1 and r["stage"] in ps.MATRIX_STAGES}
@@ -389,9 +432,56 @@ ax.set_title("Batch 1 against batch 8: the same bytes, 8 tokens")
 ax.legend(fontsize=8, loc="upper right")
 ax.set_ylim(-0.6, len(ps.BATCHES) + 0.4)
 
-fig.suptitle("Day 48: one decode step of SmolLM2-135M (fp32, CPU) under torch.profiler", fontsize=14)
+fig.suptitle(
+    "Day 48: one decode step of SmolLM2-135M (fp32, CPU) under torch.profiler (times: this notebook's run)",
+    fontsize=14,
+)
 fig.tight_layout()
 png = diagram_path("day48-profile.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** profiles with the same `torch.profiler`. Setting `VLLM_TORCH_PROFILER_DIR` makes
+#   its workers record traces into that folder, and `LLM.start_profile()` /
+#   `LLM.stop_profile()` bracket the part of a run to record (its example is
+#   `examples/offline_inference/simple_profiling.py`; the traces open in Perfetto). For a
+#   table like ours it has `layerwise_profile` in `vllm/profiler/layerwise_profile.py`: a
+#   `torch.profiler.profile` with CPU and CUDA activities, `record_shapes`, `with_stack` and
+#   `with_modules=True`, whose results (`LayerwiseProfileResults`) rebuild the `nn.Module` tree
+#   from the profiler's events and add up each module's CUDA kernel time
+#   (`print_model_table`, `print_summary_table`). It groups by module, and our matrices are not
+#   modules: they are five calls of one function, `linear`, told apart by the weight's identity,
+#   so we label calls with `record_function` instead. It sums GPU kernel time; we have only
+#   CPU time, where an op's self time includes its dispatch.
+# * **llama.cpp** ships `llama-bench` (`tools/llama-bench`): prompt-processing (`-p`) and
+#   text-generation (`-n`) tests, each repeated `-r` times (5 by default), reported as mean
+#   tokens/s with a standard deviation, and over lists of settings such as thread counts
+#   (`-t 1,2,4`); its README notes that tokenization and sampling are not in the timings. It
+#   answers "how fast is a step" for a whole step; the breakdown by stage is what we add here,
+#   and we keep the fastest step rather than the mean.
+# * **nano-vllm** has no profiler; its `bench.py` times one `generate` over 256 random requests
+#   and prints a single throughput line.
+#
+# ## Try it
+#
+# 1. **Break the stage map on purpose.** Build `broken = dict(names)` and
+#    `del broken[id(model.head)]`, then call `ps.check_weights_accounted(model, broken)`.
+#    Check: `GateError` saying 113,246,208 bytes are read by an unlabelled matrix. Then profile
+#    with it anyway, `p = ps.profile_decode(model, 1, steps=1, names=broken)`, and look at
+#    `ps.rows(p, cfg)`: the `head` row has 0 calls and 0 ms, and its milliseconds have moved
+#    into `engine_other`, the row that is wall time minus every labelled stage. That silent move
+#    is what the gate is for.
+# 2. **Reproduce the counts at a batch the table does not have.** Before running
+#    `p4 = ps.profile_decode(model, 4, steps=1, names=names)`, predict
+#    `ps.summary(p4)["py_calls"]` and `ps.summary(p4)["aten_calls"]` from the two printed in
+#    section 5. Check: `py_calls` equals batch 1's and batch 8's, and `aten_calls` equals batch
+#    8's (the copy in `linear` appears as soon as there is more than one row).
+# 3. **One thread.** `torch.set_num_threads(1)`, then profile batch 1 again. `linear` then calls
+#    `F.linear` once per matrix instead of splitting the weight into slabs. Check:
+#    `p.py_calls["qkv_proj"] == 30`, `p.py_calls["head"] == 1`, and the step's `py_calls` is
+#    726 fewer (6 calls saved on each of 121 matrices). Put `torch.set_num_threads(2)` back
+#    before re-running the rest.

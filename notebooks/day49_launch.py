@@ -16,12 +16,13 @@
 # %% [markdown]
 # # Day 49 — Launch-bound decode: Python and per-op overhead
 #
-# Day 48 profiled one decode step of SmolLM2-135M and counted about 2,150 aten ops called from
-# Python per step, whatever the batch. Every one of them has a fixed price before any arithmetic
-# happens: the Python call, argument parsing, the dispatcher, output allocation. On a GPU there
-# is one more: the kernel launch, after which the GPU runs the kernel while the CPU prepares the
-# next. When the kernels are shorter than the CPU's time to issue them, the GPU waits on the CPU
-# and the step is *launch-bound*: it costs ops x price per op, not bytes / bandwidth.
+# Day 48 profiled one decode step of SmolLM2-135M and counted over two thousand aten ops called
+# from Python per step, the same number at batch 1 and 8. Every one of them has a fixed price
+# before any arithmetic happens: the Python call, argument parsing, the dispatcher, output
+# allocation. On a GPU there is one more: the kernel launch, after which the GPU runs the kernel
+# while the CPU prepares the next. When the kernels are shorter than the CPU's time to issue
+# them, the GPU waits on the CPU and the step is *launch-bound*: it costs ops x price per op,
+# not bytes / bandwidth.
 #
 # This CPU has no launches, but it has the same fixed price per op, paid in line with the
 # arithmetic. Today shrinks the model under a fixed op count until the arithmetic is gone and
@@ -125,10 +126,11 @@ for r in rows:
 # %% [markdown]
 # ## 3. Counting the ops of a decode step
 #
-# The three 30-layer models dispatch the same 2,150 ops from Python at both batches, though
-# their weights span 538 MB to 6 MB; the 4-layer model dispatches 330. Two counts of different
-# depth give the rule: a fixed number per layer, plus a few for the embedding and the head, plus
-# what the engine does outside the forward (the plan's tensors, the sampler).
+# The three 30-layer models dispatch the same number of ops from Python at both batches (the
+# `py_calls` column above), though their weights span 538 MB to 6 MB; the 4-layer model
+# dispatches far fewer. Two counts of different depth give the rule: a fixed number per layer,
+# plus a few for the embedding and the head, plus what the engine does outside the forward (the
+# plan's tensors, the sampler).
 
 # %%
 a, b = kept["h64-l30", 1], kept["h64-l4", 1]
@@ -156,8 +158,9 @@ print(layer)
 assert sum(layer.values()) == per_layer
 
 # %% [markdown]
-# Nested inside, a batch above 1 adds a copy per matrix: 6,916 aten ops at batch 1, 7,400 at
-# batch 8 (the slabs `linear` computes no longer view back into rows, so `reshape` copies).
+# The nested count (`aten_calls`) is the one that moves with the batch: above batch 1 every
+# matrix adds the 4 ops of a copy (the slabs `linear` computes no longer view back into rows, so
+# its `reshape` copies; Day 48's table has it stage by stage).
 #
 # ## 4. The gate: the same ops, whatever the batch
 #
@@ -202,9 +205,9 @@ assert raised
 #
 # Two measurements. The first calls `x + y` on two 64-element tensors in a Python loop: the
 # arithmetic is 64 additions, so the time is what dispatching an op costs. The second is the
-# engine's own: h64-l30 at batch 1 dispatches 2,150 ops over 3 MFLOPs of work, so its step time
-# over its op count is the price per op as the engine pays it (the plan, sampling and Python
-# between ops included).
+# engine's own: h64-l30 at batch 1 dispatches as many ops as the default model over 3 MFLOPs of
+# work, so its step time less its floor, over its op count, is the price per op as the engine
+# pays it (the plan, sampling and the Python between ops included).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -226,11 +229,15 @@ print(
 
 # %% [markdown]
 # A step's time as a sum of two prices: its work at the floor, and its ops at that price. Fitted
-# on one row, the sum predicts the others; where it falls short, the kernels themselves run
-# slower than the floor (batch 8 matmuls through `linear`'s slab path, the attention gather).
+# on one row, the sum is a prediction for the others. Where the prediction falls short of the
+# measured step, the kernels themselves run slower than the floor (batch 8 matmuls through
+# `linear`'s slab path, the attention gather). Where the ops' price alone comes out above 100%
+# of the step, the prediction is wrong the other way: that model's ops cost less than the price
+# fitted on h64-l30.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+over = []
 for r in rows:
     ops_ms = r["py_calls"] * price_ms
     print(
@@ -239,6 +246,34 @@ for r in rows:
         f"+ ops {ops_ms:5.2f} ms = {r['floor_ms'] + ops_ms:6.2f} ms; the ops' price is "
         f"{100 * ops_ms / r['step_ms']:.0f}% of the step"
     )
+    if ops_ms > r["step_ms"]:
+        over.append(f"{r['model']} batch {r['batch']}")
+print("priced above the whole step in this run:", ", ".join(over) or "none")
+
+# %% [markdown]
+# How a price per op can over-count. It is one number taken from one timing: the fastest of a
+# few steps of h64-l30 on a shared machine. Whatever slowed that step (another job's threads
+# taking a core, say) is divided by its op count and charged to every op of every other model.
+# And an op does not have one price: it depends on the op and on the size of its tensors, which
+# is why the same 30 layers cost more per op at batch 8 than at batch 1. A model whose ops were
+# cheaper in this run than h64-l30's is priced above its own measured step.
+#
+# The committed CSV is the script's run (ten timed steps per row instead of five). Its
+# batch-1 rows, priced each on their own, say how close the models' per-op prices came there:
+
+# %%
+with open(lb.CSV) as f:
+    script_rows = [r for r in csv.DictReader(f) if r["batch"] == "1"]
+script_price = {
+    r["model"]: (float(r["step_ms"]) - float(r["floor_ms"])) / int(r["py_calls"]) for r in script_rows
+}
+for r in script_rows:
+    print(
+        f"{r['model']:13s}: ({r['step_ms']} - {r['floor_ms']}) ms over {r['py_calls']} ops = "
+        f"{script_price[r['model']] * 1e3:.1f} µs an op"
+    )
+ratio = script_price["h64-l4"] / script_price["h64-l30"]
+print(f"h64-l4 against h64-l30 in the script's run: {ratio:.2f} of the price")
 
 # %% [markdown]
 # ## 6. The diagram
@@ -334,7 +369,11 @@ for n in names:
     ax.plot([1, 8], [r["step_ms"] / r["batch"] for r in rs], "o-", color=colors[n], label=n)
 ops30 = by["h64-l30", 1]["py_calls"] * price_ms
 ax.plot(
-    [1, 8], [ops30, ops30 / 8], "k--", lw=1, label=f"2150 ops x {price_ms * 1e3:.1f} µs, shared by the rows"
+    [1, 8],
+    [ops30, ops30 / 8],
+    "k--",
+    lw=1,
+    label=f"{by['h64-l30', 1]['py_calls']} ops x {price_ms * 1e3:.1f} µs, shared by the rows",
 )
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
@@ -353,3 +392,50 @@ png = diagram_path("day49-launch.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** has a switch for exactly today's cost: `--enforce-eager` (`enforce_eager` in its
+#   model config, off by default) runs every step eagerly, one launch per op, instead of
+#   replaying CUDA graphs; newer versions document that it turns off `torch.compile` as well.
+#   A run with it against a run without it is vLLM's version of this day's measurement. Its
+#   older runner (`execute_model` in `vllm/worker/model_runner.py`) says in a comment that CUDA
+#   graphs are only supported for decode and sends a step with any prefill to the eager model,
+#   the conclusion of section 4; decode batches are padded up to a captured size
+#   (`_get_graph_batch_size`: 1, 2, 4, then multiples of 8).
+# * **nano-vllm** has the same switch, `enforce_eager` in `nanovllm/config.py`: its
+#   `ModelRunner.run_model` runs the model eagerly for a prefill, when `enforce_eager` is set,
+#   or for more than 512 rows, and replays a graph otherwise. Its `example.py` runs eager and its
+#   `bench.py` runs with graphs.
+# * **llama.cpp** issues no Python per op. `llm_graph_context` (`src/llama-graph.cpp`) builds a
+#   step as a `ggml_cgraph`, a list of nodes (`build_lora_mm` adds a `ggml_mul_mat`,
+#   `build_ffn` the MLP's nodes, and reshapes and views are nodes too, `ggml_reshape_3d`,
+#   `ggml_view_3d`), and a backend walks that list in C++. Views stay in the list as nodes with
+#   no kernel of their own; the CUDA backend's graph code passes over them with
+#   `ggml_cuda_is_view_or_noop` (reshape, transpose, view, permute, none), the counterpart of
+#   our 46 view ops per layer, which a GPU would not launch either.
+#   Building the list is itself a per-step cost, so `llm_graph_result::can_reuse` keeps the
+#   previous step's graph when its inputs still fit the new batch (for attention, the same
+#   number of tokens, `self_k_idxs->ne[0] == ubatch.n_tokens`): a shape check in the role of
+#   our `check_same_op_sequence`.
+#
+# ## Try it
+#
+# 1. **Predict a model's op count.** Add a fifth rung with 8 layers,
+#    `lb.SHAPES["h64-l8"] = lb._family(64, 192, 8, 4, 2, 16, 512)`, and measure it at batch 1:
+#    `r = lb.measure(lb.make_model("h64-l8"), "h64-l8", 1, peaks, keep=kept)`. Before running,
+#    write down `fixed + per_layer * 8` and that plus the ops outside the forward. Check:
+#    `assert kept["h64-l8", 1].fwd_calls == fixed + 8 * per_layer` and
+#    `r["py_calls"] == fixed + 8 * per_layer + (a.py_calls - a.fwd_calls)`.
+# 2. **Break the count on purpose.** Put `torch.set_num_threads(1)` in the first cell and
+#    re-run. `linear` then skips its slab split (one `F.linear` call per matrix instead of 7),
+#    so predict each 30-layer model's `py_calls`: 6 x 121 matrices fewer. Check: the assert
+#    against the committed CSV in section 2 fails with `rerun`, and
+#    `kept[lb.DEFAULT, 1].py_calls` is the CSV's `py_calls` less 726.
+# 3. **Price an op from two depths.** The one-row price of section 5 charges every op with
+#    whatever else was in that row. Fit it instead from the two h64 models, whose layers are
+#    identical: `(step - floor)` of h64-l30 less that of h64-l4, over the difference in
+#    `py_calls`. Check: on the committed CSV's batch-1 rows the two estimates agree to within
+#    a few percent; on this run's `rows`, if they differ by more than a third, one of the two
+#    timings was disturbed: re-run `lb.bench` for those two models and watch them converge.

@@ -16,9 +16,12 @@
 # %% [markdown]
 # # Day 50 — Graphs, in principle: bound addresses, frozen values
 #
-# Day 49 measured where a small decode step's time goes on a GPU: launching kernels, not running
-# them. A CUDA graph removes that cost by recording a step's kernels once and replaying the
-# recording. The price is a contract, and this notebook is about the contract, not the speed:
+# Day 49 measured on this CPU that a small model's decode step is mostly the fixed price of
+# issuing its ops (the Python call and the dispatcher, a few microseconds each), not their
+# arithmetic; it only argued on paper that a GPU step adds a kernel launch to every op and so
+# waits on the CPU. A CUDA graph removes the issuing: it records a step's kernels once and
+# replays the recording with one launch. The price is a contract, and this notebook is about
+# the contract, not the speed:
 #
 # * a recording keeps every **tensor** argument by address. Write new numbers into that storage
 #   and a replay computes on them (*bound*, live storage);
@@ -28,8 +31,9 @@
 #
 # `nanoserve.capture.HostGraph` is the CPU stand-in with exactly that contract, so days 50-56
 # run and are tested here without a GPU. A HostGraph replay re-runs the same Python and the same
-# kernels as eager: **on CPU it saves no time at all**; the saving of a real CUDA graph is the
-# launch overhead of Day 49. The plan:
+# kernels as eager: **on CPU it saves no time at all**. What a real CUDA graph saves is the cost
+# of issuing ops one by one: the per-op price Day 49 measured here, plus the launches a GPU adds.
+# The plan:
 #
 # 1. a graph in ten lines, then the package's,
 # 2. toys: new numbers in a bound tensor, a frozen int, a frozen list, a rebound name, a moved storage,
@@ -53,7 +57,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 from nanoserve.capture import HostGraph, ReplayError
-from nanoserve.course import REPO, diagram_path
+from nanoserve.course import REPO, diagram_path, tiny_llama
 
 sys.path.insert(0, str(REPO / "days" / "day50"))
 import graphs  # the day's script: the notebook prints the tables it writes
@@ -262,6 +266,27 @@ print("greedy token, replay:", rep.argmax(-1).tolist(), "| eager:", eag.argmax(-
 assert not torch.equal(rep, eag)
 
 # %% [markdown]
+# Why the weights have std 0.3: the same bug on the same model with weights of std 0.05. Each
+# run below drives the three prompts to the end with `positions` fresh every step
+# (`graphs.watch_decode`, the script's loop that section 5 uses too). With small weights the
+# attention scores are nearly equal for every key, so rotating a query and its keys by one
+# position more or less hardly changes the output: no replay is bit-equal to eager, yet the
+# logits move by less than 1e-5 and no greedy token changes. A test that compared tokens would
+# pass this broken graph.
+
+# %%
+for std in (0.05, graphs.WEIGHT_STD):  # tiny_llama draws graphs.tiny_model's weights at any std
+    small = tiny_llama(0, std, graphs.TINY.max_position_embeddings)
+    log = graphs.watch_decode(graphs.tiny_engine(small), "fresh positions")
+    worst = max(d for d, rec in zip(log.max_dlogit, log.recorded) if not rec)
+    equal = sum(bool(e) for e in log.equal if e is not None)
+    print(
+        f"std {std}: {equal} of {log.replays} replays equal eager | max |Δ logit| < 1e-5: {worst < 1e-5} "
+        f"| > 0.1: {worst > 0.1} | greedy token differs on {sum(log.argmax_differs)} row-steps"
+    )
+    assert equal == 0 and (worst < 1e-5 if std == 0.05 else worst > 0.1)
+
+# %% [markdown]
 # And a bound tensor whose storage moves: `set_` on the `positions` tensor the graph holds (what
 # a buffer reallocated under the same object would do). HostGraph refuses; a CUDA graph cannot
 # refuse, it reads whatever now lives at the old address.
@@ -408,13 +433,9 @@ ax.set_ylabel("ms per decode step, log (4 rows x width 16, tiny Llama)")
 for i, p in enumerate(parts, start=1):
     ax.text(i + 0.27, statistics.median(p) * 1e3, f"median {statistics.median(p) * 1e3:.2f} ms", va="center")
 ax.set_title("On CPU a HostGraph replay saves nothing (shared 2-core CPU, 30 interleaved runs)", fontsize=10)
-ax.text(
-    0.5,
-    0.92,
-    "a CUDA graph saves the launch overhead (Day 49),\nnot the kernels' work",
-    transform=ax.transAxes,
-    ha="center",
-    va="top",
+ax.set_xlabel(
+    "a CUDA graph saves the cost of issuing ops (Day 49's per-op price, plus GPU launches),\n"
+    "not the kernels' work",
     fontsize=9,
 )
 
@@ -426,3 +447,64 @@ png = diagram_path("day50-graphs.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **PyTorch.** `torch.cuda.CUDAGraph` is the real thing: kernels launched inside
+#   `with torch.cuda.graph(g, pool=...)` are recorded, and `g.replay()` launches all of them
+#   again on the same device addresses. Tensors allocated during the recording come from the
+#   graph's private memory pool, which several graphs can share (`torch.cuda.graph_pool_handle()`,
+#   or one graph's `g.pool()`). A recording keeps addresses, not references: a tensor created
+#   before the recording and dropped after it can be freed while the graph still reads its
+#   memory. HostGraph holds a reference to every bound tensor, which is why the rebound name
+#   above replays the old step instead of reading freed memory. The torch pinned here (2.13)
+#   has an opt-in check for that case, `torch.cuda.graph(..., check_input_liveness=True)`,
+#   which raises if such an input was deallocated before a replay; nothing compares
+#   addresses, which is the check HostGraph adds.
+# * **nano-vllm**, `ModelRunner.capture_cudagraph` in `nanovllm/engine/model_runner.py`:
+#   allocates one set of buffers at the largest batch (`input_ids`, `positions`, `slot_mapping`,
+#   `context_lens`, `block_tables`, `outputs`, kept in `graph_vars`) and records one graph per
+#   batch size in `[1, 2, 4, 8] + range(16, max_bs + 1, 16)`, largest first, every graph in the
+#   first one's pool. `run_model` writes each decode step into slices of those buffers
+#   (`graph_vars["input_ids"][:bs] = input_ids`), sets the unused rows' `slot_mapping` to -1
+#   and `context_lens` to 0, and calls `graph.replay()`; prefill, `enforce_eager` and batches
+#   over 512 run eagerly. Its graphs differ only in rows (the block table is always as wide as
+#   the longest context), where ours will differ in rows and width (Day 52).
+# * **vLLM.** The older `CUDAGraphRunner` in `vllm/worker/model_runner.py` runs the model twice
+#   eagerly (`_NUM_WARMUP_ITERS`), records under `torch.cuda.graph(..., pool=memory_pool,
+#   stream=stream)`, and on every call `copy_`s `input_ids`, `positions` and `slot_mapping`
+#   into its `input_buffers` before `replay()`; the KV caches are not copied because they are
+#   fixed tensors, the same reason our K/V pool needs no buffer. The newer `CUDAGraphWrapper` in
+#   `vllm/compilation/cuda_graph.py` keeps one `CUDAGraphEntry` per `BatchDescriptor`, leaves
+#   the persistent buffers to its caller, and stores the tensor arguments' `data_ptr()`s at
+#   capture as `input_addresses`; it compares them on replay only when `VLLM_LOGGING_LEVEL` is
+#   `DEBUG`. HostGraph compares on every replay, which on CPU costs nothing next to the step.
+# * **llama.cpp**, `ggml_cuda_graph_update_required` in `ggml/src/ggml-cuda/ggml-cuda.cu`:
+#   before running a ggml graph through a CUDA graph it copies every node (the `ggml_tensor`
+#   struct) and its sources' data pointers, shapes and strides into a property list and
+#   compares the list with the previous step's. Any difference means the recording is stale,
+#   and it records again and updates the executable graph (`ggml_cuda_graph_update_executable`,
+#   `cudaGraphExecUpdate`, a fresh instantiation if that fails). Where a moved address makes
+#   HostGraph raise, llama.cpp re-records.
+#
+# ## Try it
+#
+# 1. **Break it on purpose.** In `days/day50/graphs.py`, make `fresh_positions` clone
+#    `input_ids` instead of `positions` (`dataclasses.replace(plan, input_ids=...)`) and re-run
+#    the notebook. Before you do, predict whether more or fewer greedy tokens go wrong than with
+#    stale positions. Check: section 5's assert against `day-50-replay.csv` fails, and
+#    `graphs.replay_table(model)[6]["outcome"]` now reads
+#    `stale; greedy token differs on 16 row-steps` (9 with stale positions); under
+#    `pytest --nbval` section 3's printed positions change as well.
+# 2. **A gate for frozen values.** Write `check_frozen(graph, *args)` that raises when a
+#    non-tensor value the caller now holds differs (`!=`) from the one in `graph.args`, naming
+#    it; skip tensors, and for a dataclass argument compare its non-tensor fields one by one.
+#    Check: on the toy, `check_frozen(g, x, 3, [1, 1])` raises and `check_frozen(g, x, 2, [1, 1])`
+#    passes after `x.copy_(...)`; on the tiny Llama, `check_frozen(graph, plan2)` passes
+#    `is_decode` and `row_spans` and raises on `rows`: a `Sequence` compares by identity
+#    (`eq=False`) and the graph holds copies. That is why Day 54 gives rows a gate of its own.
+# 3. **The test that would have missed it.** For the std-0.05 model above, write the two checks
+#    a test could make after each replay: the greedy tokens agree, and `torch.equal` on the
+#    logits. Check: the token test passes on all 9 replays and the logit test fails on all 9,
+#    the same counts the cell above printed.

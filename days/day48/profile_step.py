@@ -47,6 +47,8 @@ WARM_STEPS = 2
 STEPS = 6  # timed, then profiled, decode steps per batch (the fastest of each is kept)
 MAX_MODEL_LEN = 256
 LABEL = "stage:"
+# the sampler as the engine module names it (`sample_rows` keeps one row's failure to that row)
+SAMPLER = "sample_rows" if hasattr(nanoserve.engine, "sample_rows") else "sample"
 # The step in the order it runs. The five matrix stages are one weight matrix each.
 STAGES = (
     "schedule",
@@ -161,7 +163,7 @@ def stage_labels(engine: Engine, names: dict[int, str] | None = None):
         _patched(nanoserve.model.Llama, "forward", _labelled("model")),
         _patched(nanoserve.cache.BatchedCacheRows, "write", _labelled("kv_write")),
         _patched(nanoserve.cache.BatchedCacheRows, "attention", _labelled("attention")),
-        _patched(nanoserve.engine, "sample", _labelled("sampling")),
+        _patched(nanoserve.engine, SAMPLER, _labelled("sampling")),
         _patched(engine.scheduler, "schedule", _labelled("schedule")),
         _patched(engine.runner, "plan", _labelled("plan")),
         _patched(engine, "_append", _labelled("append")),
