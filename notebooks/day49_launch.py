@@ -408,7 +408,7 @@ display(Image(filename=png))
 #   `ModelRunner.run_model` runs the model eagerly for a prefill, when `enforce_eager` is set,
 #   or for more than 512 rows, and replays a graph otherwise. Its `example.py` runs eager and its
 #   `bench.py` runs with graphs.
-# * **llama.cpp** issues no Python per op. `llm_graph_context` (`src/llama-graph.cpp`) builds a
+# * **llama.cpp** runs no Python per op. `llm_graph_context` (`src/llama-graph.cpp`) builds a
 #   step as a `ggml_cgraph`, a list of nodes (`build_lora_mm` adds a `ggml_mul_mat`,
 #   `build_ffn` the MLP's nodes, and reshapes and views are nodes too, `ggml_reshape_3d`,
 #   `ggml_view_3d`), and a backend walks that list in C++. Views stay in the list as nodes with

@@ -501,9 +501,10 @@ display(Image(filename=png))
 #    non-tensor value the caller now holds differs (`!=`) from the one in `graph.args`, naming
 #    it; skip tensors, and for a dataclass argument compare its non-tensor fields one by one.
 #    Check: on the toy, `check_frozen(g, x, 3, [1, 1])` raises and `check_frozen(g, x, 2, [1, 1])`
-#    passes after `x.copy_(...)`; on the tiny Llama, `check_frozen(graph, plan2)` passes
-#    `is_decode` and `row_spans` and raises on `rows`: a `Sequence` compares by identity
-#    (`eq=False`) and the graph holds copies. That is why Day 54 gives rows a gate of its own.
+#    passes after `x.copy_(...)`; on the tiny Llama, `check_frozen(graph, plan2)` raises on
+#    `rows` and on nothing else (`is_decode` and `row_spans` are equal): a `Sequence` compares
+#    by identity (`eq=False`) and the graph holds copies. That is why Day 54 gives rows a gate of
+#    its own.
 # 3. **The test that would have missed it.** For the std-0.05 model above, write the two checks
 #    a test could make after each replay: the greedy tokens agree, and `torch.equal` on the
 #    logits. Check: the token test passes on all 9 replays and the logit test fails on all 9,
