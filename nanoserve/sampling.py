@@ -8,9 +8,9 @@
 
 A temperature below `SAMPLING_EPS` is greedy rather than a division: logits / 1e-39 are inf,
 their softmax NaN, and `multinomial` raises (before `sample_rows`, that one draw ended every
-request of its step; vLLM draws the greedy line at the same 1e-5). `sample_rows` keeps one row's failure to that row: a row whose logits are
-not finite, or whose draw raises, comes back as a sentence instead of a token, and the other
-rows of the step keep theirs.
+request of its step; vLLM draws the greedy line at the same 1e-5). `sample_rows` keeps one
+row's failure to that row: a row whose logits are not finite, or whose draw raises, comes back
+as a sentence instead of a token, and the other rows of the step keep theirs.
 
 A request with a seed draws from its own `torch.Generator`, so its tokens do not depend on what
 else shares the batch (or on the global RNG); a request without one draws from a generator
