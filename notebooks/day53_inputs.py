@@ -18,7 +18,7 @@
 #
 # Day 51 put every row's slot numbers in one fixed table, and Day 52 padded each decode batch to
 # a shape from a closed set, so a step's slot window is now a view on storage that never moves.
-# Four small tensors still do move: `plan_decode_bucketed` builds `input_ids`, `positions`,
+# Four small tensors still do move: `plan_decode_bucketed` builds `positions`, `input_ids`,
 # `write_slots` and `context_lens` (and `logits_at`) as new tensors every step, at new addresses.
 # A recorded graph (Day 54) reads its inputs through the addresses it was recorded with, so today
 # those tensors become views on buffers allocated once and written in place

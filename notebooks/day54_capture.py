@@ -18,7 +18,7 @@
 #
 # Days 51 to 53 moved every number a decode step reads into storage that stays put: the slot
 # table (Day 51), a closed set of padded (rows, width) shapes (Day 52), and the persistent
-# buffers of Day 53 (five of them: `input_ids`, `positions`, `write_slots` and `context_lens`,
+# buffers of Day 53 (five of them: `positions`, `input_ids`, `context_lens` and `write_slots`,
 # rewritten in place each step, and `logits_at`, written once). Today pays that off. With
 # `EngineConfig(capture_decode=True)` the runner records one graph per decode shape the first
 # time the shape appears, and replays it on every later step of the same shape.
