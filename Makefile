@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup model serve chat generate test lint book unit notebooks-test notebooks bench clean
+.PHONY: setup model serve chat generate test lint book unit notebooks-test notebooks bench lmeval clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,11 @@ notebooks-test: model
 # notebooks outside Markdown, where no link is checked).
 book: setup
 	$(BIN)/python book/build.py
+
+# lm-evaluation-harness through the server against its own hf backend (evals/check.py)
+lmeval: model
+	$(BIN)/python -m pip install -q -e '.[dev,eval]'
+	$(BIN)/python evals/check.py
 
 test: lint book unit notebooks-test
 

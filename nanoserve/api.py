@@ -2,16 +2,18 @@
 
 `CompletionRequest` and `ChatRequest` are pydantic models of OpenAI's request bodies, strict
 about types (a `max_tokens` of "5" is an error, not a 5), plus three extensions: `top_k`,
-`ignore_eos` and `return_token_ids`. Any field that would change the answer and that this
-server does not implement is refused by `check_supported` when set to anything but its
-default, never silently ignored: OpenAI's (`n` > 1, logprobs, top_logprobs, echo, best_of,
-penalties, logit_bias, suffix, tools, tool_choice, a `response_format` other than text) and the
-extensions other servers take (vLLM's min_p, repetition_penalty, guided decoding, ...; see
-`ANSWER_CHANGING`). Unknown fields that change nothing (`user`, `metadata`) are ignored.
-Sizes are capped (`MAX_STOP_CHARS`, `MAX_MESSAGES`, `MAX_PARTS`), so no request can make the
-server do far more work than its context allows, and `BodyLimit` (ASGI middleware) answers 413
-to a body over the server's cap before it is parsed. Every refusal is an `APIError`, which
-renders as OpenAI's error object:
+`ignore_eos` and `return_token_ids`. Scores and several answers are served: `logprobs`,
+`echo` (with `max_tokens` 0 to score a prompt alone), `n`, `best_of` and a list of prompts
+on completions; `logprobs` with `top_logprobs` on chat. Any field that would change the answer
+and that this server does not implement is refused by `check_supported` when set to anything
+but its default, never silently ignored: OpenAI's (penalties, logit_bias, suffix, tools,
+tool_choice, a `response_format` other than text) and the extensions other servers take
+(vLLM's min_p, repetition_penalty, guided decoding, ...; see `ANSWER_CHANGING`). Unknown fields
+that change nothing (`user`, `metadata`) are ignored. Sizes are capped (`MAX_STOP_CHARS`,
+`MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`, `MAX_LOGPROBS`), so no
+request can make the server do far more work than its context allows, and `BodyLimit` (ASGI
+middleware) answers 413 to a body over the server's cap before it is parsed. Every refusal is
+an `APIError`, which renders as OpenAI's error object:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
@@ -24,6 +26,8 @@ from typing import Any, Literal
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from nanoserve.sampling import MAX_LOGPROBS
 
 # --- errors --------------------------------------------------------------------------------------
 
@@ -79,6 +83,9 @@ MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_MESSAGES = 1024  # messages in one chat request
 MAX_PARTS = 64  # text parts in one message's content
+MAX_N = 16  # answers one prompt may ask for (n, and best_of, the samples they are chosen from)
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_SAMPLES = 256  # sequences one request may start: prompts x best_of (or n)
 
 
 class StreamOptions(BaseModel):
@@ -96,7 +103,7 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**64 - 1)  # what torch.Generator takes
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -108,10 +115,18 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _few_prompts(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"a request takes at most {MAX_PROMPTS} prompts, this one has {len(value)}")
+        return value
 
 
 class TextPart(BaseModel):
@@ -138,7 +153,7 @@ class ChatRequest(_Common):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -149,6 +164,8 @@ class ChatRequest(_Common):
 _REFUSE = object()
 ANSWER_CHANGING: dict[str, Any] = {
     "min_p": 0,
+    "echo": False,  # chat: vLLM's "prepend the last message"; completions defines its own echo
+    "best_of": 1,  # chat: vLLM takes it there too; completions defines its own best_of
     "repetition_penalty": 1,
     "length_penalty": 1,
     "min_tokens": 0,
@@ -189,25 +206,32 @@ ANSWER_CHANGING: dict[str, Any] = {
 
 def check_supported(req: _Common) -> None:
     """Fields we parse but do not implement are refused when set to anything but their default."""
+    best_of = getattr(req, "best_of", None)
     checks = [
-        ("n", req.n != 1, "n > 1 is not supported; send one request per completion"),
+        (
+            "best_of",
+            best_of is not None and best_of < req.n,
+            f"best_of ({best_of}) must be at least n ({req.n}): n answers are chosen from best_of samples",
+        ),
+        (
+            "best_of",
+            best_of is not None and best_of > req.n and req.stream,
+            "best_of > n cannot be streamed: the best answers are known only when every sample is done",
+        ),
+        (
+            "top_logprobs",
+            getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False),
+            "top_logprobs needs logprobs: true",
+        ),
         ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported"),
         ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
-        ("logprobs", bool(getattr(req, "logprobs", None)), "logprobs are not supported"),
-        ("echo", bool(getattr(req, "echo", False)), "echo is not supported"),
-        ("best_of", (getattr(req, "best_of", None) or 1) != 1, "best_of is not supported"),
         ("suffix", bool(getattr(req, "suffix", None)), "suffix is not supported"),
         ("tools", bool(getattr(req, "tools", None)), "tools are not supported by this server"),
         (
             "tool_choice",
             getattr(req, "tool_choice", None) not in (None, "none"),
             "tool_choice is not supported by this server (it has no tools)",
-        ),
-        (
-            "top_logprobs",
-            bool(getattr(req, "top_logprobs", None)),
-            "top_logprobs are not supported (log-probabilities are not returned yet)",
         ),
         (
             "response_format",

@@ -159,9 +159,10 @@ class BlockAllocator:
 
     # --- sequences --------------------------------------------------------------------------
 
-    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of full blocks, never the whole prompt."""
-        if not self.enable_prefix_caching:
+    def _cached_prefix(self, token_ids: Sequence[int], use_cache: bool = True) -> list[int]:
+        """Blocks holding the longest cached prefix of full blocks, never the whole prompt.
+        `use_cache=False` (a prompt being scored needs every position's logits) finds none."""
+        if not (self.enable_prefix_caching and use_cache):
             return []
         bs = self.block_size
         # the last prompt token is always recomputed: its logits pick the first new token
@@ -175,14 +176,16 @@ class BlockAllocator:
             parent = h
         return hits
 
-    def prompt_blocks_needed(self, token_ids: Sequence[int], extra_tokens: int = 0) -> int:
+    def prompt_blocks_needed(
+        self, token_ids: Sequence[int], extra_tokens: int = 0, use_cache: bool = True
+    ) -> int:
         """Free blocks a new prompt of token_ids would take, plus room for extra_tokens more:
         fresh blocks, and cached blocks that are free now (they leave the free list too)."""
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids, use_cache)
         fresh = -(-(len(token_ids) + extra_tokens) // self.block_size) - len(hits)
         return fresh + sum(self._ref[b] == 0 for b in hits)
 
-    def allocate_prompt(self, table: BlockTable, token_ids: Sequence[int]) -> int:
+    def allocate_prompt(self, table: BlockTable, token_ids: Sequence[int], use_cache: bool = True) -> int:
         """Give an empty table blocks for all of token_ids; return how many tokens are cached.
 
         Block size 16, a 50-token prompt whose first 3 blocks are cached: the table gets those
@@ -191,7 +194,7 @@ class BlockAllocator:
         """
         if table.blocks:
             raise ValueError("allocate_prompt needs an empty block table; free the sequence's blocks first")
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids, use_cache)
         fresh = -(-len(token_ids) // self.block_size) - len(hits)
         # a cached block that is free leaves the free list too, so it cannot also be a fresh block
         if fresh > len(self._free) - sum(self._ref[b] == 0 for b in hits):

@@ -12,6 +12,18 @@ end-of-sequence rule, `max_tokens`, the context limit and stop strings, and rele
 sequences' blocks at once; `abort` ends a request wherever it is. `generate` is the offline
 loop over a list of prompts, with a progress bar.
 
+Scores (day 36). A request whose params ask for `logprobs` gets each new token's
+`TokenLogprobs` in `RequestOutput.logprobs`; one asking for `prompt_logprobs` gets the prompt's
+(None for the first token, which nothing predicts) in the `prompt_logprobs` of its first
+output. Prefill computes the logits of every position of such a prompt, and only of such a
+prompt (`logits_at` widened for its rows alone); its prefix is not taken from the cache, since a
+skipped position has no logits. With `max_tokens=0` it ends after the prompt, unsampled.
+
+Several samples of one prompt (`n`): `add_request(..., after=first_id)` holds a request until
+the request `first_id` has its prompt in the cache, then queues it at the front, so its prompt's
+full blocks are shared through the prefix cache instead of computed again (only the last,
+partial block is recomputed per sample).
+
 The engine owns nothing clever itself: the scheduler decides, the plan addresses, the runner
 computes, the sampler picks.
 """
@@ -32,7 +44,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.inputs import PersistentInputs
 from nanoserve.pool import plan_pool
 from nanoserve.runner import ModelRunner
-from nanoserve.sampling import SamplingParams, sample_rows
+from nanoserve.sampling import SamplingParams, TokenLogprobs, logprobs_of, sample_rows
 from nanoserve.scheduler import Scheduler, Sequence
 from nanoserve.slots import SlotTable
 from nanoserve.stopping import StopStrings
@@ -45,6 +57,9 @@ class RequestOutput:
     text_delta: str = ""
     finish_reason: str | None = None  # stop | length | abort | error; None while running
     error: str | None = None  # with finish_reason "error": why this request alone was ended
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
+    # on the first output, when params.prompt_logprobs is set: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -115,6 +130,7 @@ class Engine:
         )
         self.scheduler.on_leave = self.runner.release
         self.requests: dict[str, _Request] = {}
+        self.held: dict[str, list[Sequence]] = {}  # request id -> samples waiting for its prompt
         self._ids = itertools.count()
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
         self.warm_report = None  # a WarmupReport once warm_decode has run
@@ -142,7 +158,16 @@ class Engine:
             return list(prompt)
         raise ValueError("a prompt is a string, a list of token ids, or a list of chat messages")
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        after: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. `after`: the id of a request in flight with the same
+        prompt; this one waits until that one's prompt is in the cache, and then shares its
+        blocks (several samples of one prompt)."""
         params = (params or SamplingParams()).validate()
         ids = self.encode_prompt(prompt)
         if not ids:
@@ -157,12 +182,30 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         seq = Sequence(request_id, ids, params, self.config.block_size)
         seq.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        seq.reuse_prefix = params.prompt_logprobs is None or len(ids) == 1
         if not params.greedy:
             seq.generator = params.make_generator(self.model.device)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop))
-        self.scheduler.add(seq)
+        first = self.requests.get(after) if after is not None else None
+        if first is not None and not self._prompt_done(first.seq):
+            self.held.setdefault(after, []).append(seq)
+        else:
+            self.scheduler.add(seq)
         return request_id
+
+    @staticmethod
+    def _prompt_done(seq: Sequence) -> bool:
+        return seq.finished or seq.num_computed >= len(seq.prompt_ids)
+
+    def _release_held(self) -> None:
+        """Queue the samples whose first sample has its prompt in the cache (or has ended)."""
+        for first_id in list(self.held):
+            first = self.requests.get(first_id)
+            if first is None or self._prompt_done(first.seq):
+                for seq in reversed(self.held.pop(first_id)):
+                    if not seq.finished:
+                        self.scheduler.add(seq, front=True)
 
     def abort(self, request_id: str) -> bool:
         """End a request now; its blocks are free when this returns. False if it is unknown."""
@@ -173,16 +216,22 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.held)
 
     # --- one step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._release_held()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         plan = self.runner.plan(batch)
-        logits = self.runner.execute(plan)  # (B, V)
+        # rows whose prompt is being scored: every position's logits, not only the last
+        scored = [i for i, (s, start, _) in enumerate(batch.chunks) if not s.reuse_prefix]
+        if scored:
+            logits = self._execute_scoring(plan, batch, scored)
+        else:
+            logits = self.runner.execute(plan)  # (B, V)
         for seq, _, end in batch.chunks:
             seq.num_computed = end
         for seq in batch.decode:
@@ -192,12 +241,76 @@ class Engine:
             self.allocator.cache_full_blocks(seq.block_table, seq.token_ids[: seq.num_computed])
         # a row samples once its whole sequence is in the cache (a prompt's last chunk, or decode)
         ready = [i for i, s in enumerate(plan.rows) if s.num_computed == len(s.token_ids)]
+        outs = []
+        scoring_only = [i for i in ready if plan.rows[i].max_tokens == 0]
+        for i in scoring_only:  # max_tokens 0: the prompt was all it asked for
+            outs.append(self._finish_unsampled(plan.rows[i]))
+        ready = [i for i in ready if plan.rows[i].max_tokens > 0]
         if not ready:
-            return []
+            return outs
         seqs = [plan.rows[i] for i in ready]
         picked = logits[torch.tensor(ready, device=logits.device)]
         tokens = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs])
-        return [self._append_or_fail(seq, token) for seq, token in zip(seqs, tokens)]
+        scores = self._token_scores(picked, seqs, tokens)
+        for seq, token, score in zip(seqs, tokens, scores):
+            out = self._append_or_fail(seq, token)
+            if score is not None and out.finish_reason != "error":
+                seq.cumulative_logprob += score.logprob
+                out.logprobs = [score]
+            outs.append(self._with_prompt_scores(seq, out))
+        return outs
+
+    def _execute_scoring(self, plan, batch, scored: list[int]) -> torch.Tensor:
+        """Run a prefill step whose rows `scored` want every position's logits. Returns the
+        sampling logits (B, V) as `execute` would, after storing the scored rows' prompt scores."""
+        at, last, spans = [], [], {}
+        for row, (n0, n1, _) in enumerate(plan.row_spans):
+            if row in scored:
+                spans[row] = (len(at), n1 - n0)
+                at.extend(range(n0, n1))
+            else:
+                at.append(n1 - 1)
+            last.append(len(at) - 1)
+        plan.logits_at = torch.tensor(at, dtype=torch.long, device=plan.logits_at.device)
+        every = self.runner.execute(plan)  # (len(at), V)
+        for row in scored:
+            seq, start, end = batch.chunks[row]
+            first, _ = spans[row]
+            # logits at position p score token p + 1; the prompt's last position scores no prompt token
+            k = min(end, len(seq.prompt_ids) - 1) - start
+            targets = seq.token_ids[start + 1 : start + 1 + k]
+            del seq.prompt_lp[start:]  # a prompt restarted after preemption is scored again
+            seq.prompt_lp.extend(logprobs_of(every[first : first + k], targets, seq.params.prompt_logprobs))
+            if len(seq.prompt_lp) == len(seq.prompt_ids) - 1:
+                seq.reuse_prefix = True  # scored: a recompute may now take its prefix from the cache
+        return every[torch.tensor(last, dtype=torch.long, device=every.device)]
+
+    def _token_scores(self, logits, seqs, tokens) -> list[TokenLogprobs | None]:
+        """Scores of the tokens just sampled, for the rows whose params ask for them."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and isinstance(tokens[i], int)]
+        scores: list[TokenLogprobs | None] = [None] * len(seqs)
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            asked = [seqs[i].params.logprobs for i in rows]
+            got = logprobs_of(logits[index], [tokens[i] for i in rows], asked)
+            for i, score in zip(rows, got):
+                scores[i] = score
+        return scores
+
+    def _with_prompt_scores(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        """Attach the prompt's scores to the request's first output (once)."""
+        if seq.params.prompt_logprobs is not None and not seq.prompt_lp_sent:
+            out.prompt_logprobs = [None, *seq.prompt_lp]
+            seq.prompt_lp_sent = True
+        return out
+
+    def _finish_unsampled(self, seq: Sequence) -> RequestOutput:
+        """A request that only scores its prompt ends when the prompt is computed."""
+        self.requests.pop(seq.request_id, None)
+        self.scheduler.finish(seq, "length")
+        out = RequestOutput(seq.request_id, [], finish_reason="length")
+        out.prompt_logprobs = [None, *seq.prompt_lp]
+        return out
 
     def _append_or_fail(self, seq: Sequence, token: int | str) -> RequestOutput:
         """One row's outcome. A row that could not be sampled (token is the reason) or whose

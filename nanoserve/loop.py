@@ -103,13 +103,17 @@ class EngineLoop:
         """Requests taken and not yet finished, plus requests still in the inbox."""
         return len(self.streams) + self.inbox.qsize()
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink) -> None:
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink, after: str | None = None
+    ) -> None:
+        """Hand a request to the engine; `after` as in `Engine.add_request` (a sample that
+        shares an earlier one's prompt)."""
         if self.failure is not None:
             sink(Refused(f"the engine is not running ({self.failure})", 503))
         elif not self.accepting:
             sink(Refused("the server is shutting down and takes no new requests", 503, retry_after=5))
         else:
-            self.inbox.put(("add", request_id, prompt_ids, params, sink, time.perf_counter()))
+            self.inbox.put(("add", request_id, prompt_ids, params, sink, time.perf_counter(), after))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -161,12 +165,12 @@ class EngineLoop:
     def _handle(self, item) -> None:
         kind = item[0]
         if kind == "add":
-            _, rid, prompt_ids, params, sink, arrival = item
+            _, rid, prompt_ids, params, sink, arrival, after = item
             if len(self.engine.scheduler.waiting) >= self.max_waiting:
                 sink(Refused(f"the server has {self.max_waiting} requests waiting; try again later", 429))
                 return
             try:
-                self.engine.add_request(prompt_ids, params, request_id=rid)
+                self.engine.add_request(prompt_ids, params, request_id=rid, after=after)
             except (ValueError, NanoserveError) as e:
                 sink(Refused(str(e)))
                 return

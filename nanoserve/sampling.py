@@ -16,6 +16,14 @@ A request with a seed draws from its own `torch.Generator`, so its tokens do not
 else shares the batch (or on the global RNG); a request without one draws from a generator
 seeded from the OS once. Stop strings and the end-of-sequence rule are applied by whoever reads
 the tokens (`stopping.py`); they only ride along in the params.
+
+Scores (day 36): `logprobs` asks for each generated token's log-probability and the `logprobs`
+most likely alternatives; `prompt_logprobs` the same for every prompt token after the first
+(what evaluation harnesses score continuations with). Both are of the distribution the model
+produced, `log_softmax` of the raw fp32 logits, before temperature, top-k and top-p (vLLM's
+default, `raw_logprobs`): a score then means the same whatever sampling settings rode along,
+and a greedy request and a sampled one score the same text alike. `logprobs_of` computes them,
+one batched pass for all the rows that asked.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes without wrapping or raising
+MAX_LOGPROBS = 20  # alternatives a position may ask for (OpenAI's chat limit; vLLM's default)
 
 
 @dataclass
@@ -37,11 +46,22 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: no scores; N: each new token's and the N most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (all but the first)
 
     def validate(self) -> SamplingParams:
         """Raise ValueError with a sentence for the first out-of-range field; return self."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+        scoring_only = self.prompt_logprobs is not None and self.max_tokens == 0
+        if not isinstance(self.max_tokens, int) or (self.max_tokens <= 0 and not scoring_only):
+            raise ValueError(
+                f"max_tokens must be a positive integer (0 only to score a prompt), got {self.max_tokens!r}"
+            )
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -70,6 +90,39 @@ class SamplingParams:
         else:
             g.seed()
         return g
+
+
+@dataclass
+class TokenLogprobs:
+    """One position's scores: the token there, its log-probability, and the most likely tokens."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+    def as_tuple(self):
+        return self.token_id, self.logprob, self.top
+
+
+def logprobs_of(logits: torch.Tensor, targets, num_top: list[int] | int) -> list[TokenLogprobs]:
+    """Scores of `targets` (M token ids) under logits (M, V): log_softmax in fp32, the target's
+    entry, and the top `num_top[i]` of row i (one topk for all rows, at the largest asked)."""
+    if isinstance(num_top, int):
+        num_top = [num_top] * logits.shape[0]
+    if logits.shape[0] == 0:
+        return []
+    lp = logits.float().log_softmax(-1)
+    target = torch.as_tensor(targets, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, target[:, None])[:, 0].tolist()
+    k = max(num_top)
+    if k:
+        values, ids = lp.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    out = []
+    for i, (t, c) in enumerate(zip(target.tolist(), chosen)):
+        top = list(zip(ids[i][: num_top[i]], values[i][: num_top[i]])) if k else []
+        out.append(TokenLogprobs(t, c, top))
+    return out
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

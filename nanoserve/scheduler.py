@@ -54,6 +54,12 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # False while the prompt is being scored (prompt_logprobs): every position's logits are
+    # needed, so no prefix may be skipped through the cache
+    reuse_prefix: bool = True
+    prompt_lp: list = field(default_factory=list)  # scores of prompt tokens 1.., as computed
+    prompt_lp_sent: bool = False  # handed out with the first output
+    cumulative_logprob: float = 0.0  # of the generated tokens, when their scores are computed
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -108,9 +114,14 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.on_leave = lambda seq: None  # told when a sequence leaves the running set
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        """Queue seq; `front` puts it ahead of everything waiting (the engine's held samples of
+        a prompt just computed, so they reach its cached blocks before anything evicts them)."""
         seq.arrival = next(self._arrivals)
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,7 +145,7 @@ class Scheduler:
             if not self.can_admit(seq):
                 break  # admitting it now would make the next decode step preempt someone
             try:
-                cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids)
+                cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids, seq.reuse_prefix)
             except NoFreeBlocks:
                 break  # blocks come back as running sequences finish
             self.waiting.popleft()
@@ -160,7 +171,7 @@ class Scheduler:
     def can_admit(self, seq: Sequence) -> bool:
         if self.watermark is None:
             return True  # the earlier policy: allocate_prompt alone decides
-        need = self.allocator.prompt_blocks_needed(seq.token_ids, extra_tokens=1)
+        need = self.allocator.prompt_blocks_needed(seq.token_ids, extra_tokens=1, use_cache=seq.reuse_prefix)
         return need + self.reserve() <= self.allocator.num_free
 
     def _schedule_decode(self) -> Batch:

@@ -47,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.api import (
+    MAX_SAMPLES,
     MAX_STOP,
     MAX_STOP_CHARS,
     APIError,
@@ -58,9 +59,9 @@ from nanoserve.api import (
 )
 from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
-from nanoserve.loop import EngineLoop, Refused
+from nanoserve.loop import Accepted, EngineLoop, Refused
 from nanoserve.metrics import Metrics
-from nanoserve.responses import Answer, EventStream, WhenDone
+from nanoserve.responses import Answer, Choice, EventStream, Scores, WhenDone
 from nanoserve.sampling import SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20  # the default request-body cap: far above any prompt a context holds
@@ -242,18 +243,17 @@ def create_app(
         check_model(eng, req.model)
         check_supported(req)
         prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(
-                    400, "send one prompt per request (a list of several is not supported)", param="prompt"
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if isinstance(prompt, str):
-            check_fits(eng, len(prompt), "prompt")
-        prompt_ids = await encode(eng, prompt, "prompt")
-        return await run(eng, req, prompt_ids, chat=False, default_max=16)
+        several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = list(prompt) if several else [prompt]
+        for p in prompts:
+            if isinstance(p, str) and not p:
+                raise APIError(400, "the prompt is empty", param="prompt")
+        check_fits(eng, max((len(p) for p in prompts if isinstance(p, str)), default=0), "prompt")
+        prompt_ids = await encode_all(eng, prompts, "prompt")
+        echo = None
+        if req.echo:
+            echo = await anyio.to_thread.run_sync(echo_texts, eng, prompts, prompt_ids)
+        return await run(eng, req, prompt_ids, chat=False, default_max=16, echo=echo)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(req: ChatRequest, request: Request):
@@ -265,7 +265,7 @@ def create_app(
             content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         check_fits(eng, sum(len(m["content"]) for m in messages), "messages")
-        prompt_ids = await encode(eng, messages, "messages")
+        prompt_ids = await encode_all(eng, [messages], "messages")
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         return await run(eng, req, prompt_ids, chat=True, default_max=None)
@@ -292,22 +292,42 @@ def create_app(
             code="context_length_exceeded",
         )
 
-    async def encode(eng: Engine, prompt, param: str) -> list[int]:
+    async def encode_all(eng: Engine, prompts: list, param: str) -> list[list[int]]:
         """Render and tokenize on a worker thread: the event loop keeps serving meanwhile."""
 
-        def work() -> list[int]:
-            try:
-                return eng.encode_prompt(prompt)
-            except (ValueError, NanoserveError) as e:
-                raise APIError(400, str(e), param=param) from None
+        def work() -> list[list[int]]:
+            out = []
+            for i, prompt in enumerate(prompts):
+                where = f" (prompt {i})" if len(prompts) > 1 else ""
+                try:
+                    ids = eng.encode_prompt(prompt)
+                except (ValueError, NanoserveError) as e:
+                    raise APIError(400, f"{e}{where}", param=param) from None
+                if not ids:
+                    raise APIError(400, f"the prompt is empty{where}", param=param)
+                out.append(ids)
+            return out
 
-        ids = await anyio.to_thread.run_sync(work)
-        if not ids:
-            raise APIError(400, "the prompt is empty", param=param)
-        return ids
+        return await anyio.to_thread.run_sync(work)
+
+    def echo_texts(eng: Engine, prompts: list, prompt_ids: list[list[int]]) -> list[tuple]:
+        """Each prompt as echo returns it: its text, its token ids, and where each token's text
+        starts (through the streaming detokenizer, so offsets agree with the text)."""
+        out = []
+        for prompt, ids in zip(prompts, prompt_ids):
+            if eng.tokenizer is None:
+                out.append(("", ids, [0] * len(ids)))
+                continue
+            detok, offsets = eng.tokenizer.detokenizer(), []
+            for t in ids:
+                offsets.append(len(detok.text))
+                detok.add(t)
+            detok.flush()
+            out.append((prompt if isinstance(prompt, str) else detok.text, ids, offsets))
+        return out
 
     async def next_item(q: asyncio.Queue):
-        """The next item on a handler's queue; a Refused if the loop died meanwhile."""
+        """The next (sample, item) on a handler's queue; a Refused if the loop died meanwhile."""
         while True:
             try:
                 return await asyncio.wait_for(q.get(), LIVENESS_POLL)
@@ -315,32 +335,9 @@ def create_app(
                 loop = state.loop
                 if loop is None or not loop.alive:
                     reason = (loop.failure if loop else None) or "the engine loop is not running"
-                    return Refused(f"the request was aborted: {reason}", 500)
+                    return None, Refused(f"the request was aborted: {reason}", 500)
 
-    async def run(eng: Engine, req, prompt_ids, chat: bool, default_max):
-        n_prompt, limit = len(prompt_ids), eng.max_model_len
-        if n_prompt >= limit:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {limit} tokens and the prompt is {n_prompt} "
-                "tokens, which leaves no room to generate; shorten it",
-                param="messages" if chat else "prompt",
-                code="context_length_exceeded",
-            )
-        explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
-        max_tokens = req.max_tokens
-        if not explicit or max_tokens is None:  # the default: 16 (completions) or the rest of the context
-            max_tokens = min(default_max or limit, limit - n_prompt)
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if n_prompt + max_tokens > limit:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {limit} tokens; the prompt is {n_prompt} tokens "
-                f"and max_tokens asks for {max_tokens} more; lower max_tokens to {limit - n_prompt} or less",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+    def sampling_params(req, chat: bool, max_tokens: int, best_of: int, echo: bool) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
             raise APIError(
@@ -348,6 +345,16 @@ def create_app(
                 f"stop is at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
                 param="stop",
             )
+        if chat:
+            wanted = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            wanted = req.logprobs
+        if wanted is None and best_of > req.n:
+            wanted = 0  # best_of ranks its samples by their log-probabilities
+        # echo with logprobs scores the prompt; max_tokens 0 asks for nothing else
+        prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
+        if max_tokens == 0 and prompt_logprobs is None:
+            prompt_logprobs = 0
         params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -356,66 +363,174 @@ def create_app(
             stop=tuple(stop),
             seed=req.seed,
             ignore_eos=req.ignore_eos,
+            logprobs=wanted,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             params.validate()
         except ValueError as e:
             field = next((f for f in ("seed", "temperature", "top_p", "top_k") if f in str(e)), None)
             raise APIError(400, str(e), param=field) from None
+        return params
+
+    async def run(eng: Engine, req, prompts: list[list[int]], chat: bool, default_max, echo=None):
+        limit, longest = eng.max_model_len, max(len(p) for p in prompts)
+        param = "messages" if chat else "prompt"
+        if longest >= limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens and the prompt is {longest} "
+                "tokens, which leaves no room to generate; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+        explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
+        max_tokens = req.max_tokens
+        if not explicit or max_tokens is None:  # the default: 16 (completions) or the rest of the context
+            max_tokens = min(default_max or limit, limit - longest)
+        if max_tokens < 1 and not (max_tokens == 0 and echo is not None):
+            raise APIError(
+                400,
+                f"max_tokens must be at least 1 (0 only with echo, to score the prompt), got {max_tokens}",
+                param="max_tokens",
+            )
+        if longest + max_tokens > limit:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {limit} tokens; the prompt is {longest} tokens "
+                f"and max_tokens asks for {max_tokens} more; lower max_tokens to {limit - longest} or less",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        n = req.n
+        best_of = getattr(req, "best_of", None) or n
+        if len(prompts) * best_of > MAX_SAMPLES:
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x {best_of} samples is {len(prompts) * best_of} sequences; "
+                f"a request may start at most {MAX_SAMPLES}",
+                param="best_of" if best_of > n else "n",
+            )
+        params = sampling_params(req, chat, max_tokens, best_of, echo is not None)
+        asked = bool(req.logprobs) if chat else req.logprobs is not None
+        wanted = params.logprobs if asked else None  # what the response shows
+        # max_tokens 0 only scores: every sample would be the same, so one runs and is repeated
+        samples = 1 if max_tokens == 0 else best_of
 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        choices, rids = [], []
+        for i, ids in enumerate(prompts):
+            for j in range(samples):
+                choices.append(Choice(len(choices), len(ids), echo[i] if echo is not None else None))
+                rids.append(f"{rid}-{i}-{j}")
+        scores = Scores(eng.tokenizer, wanted) if wanted is not None else None
+        answer = Answer(
+            rid, eng.model_name, chat, sum(map(len, prompts)), req.return_token_ids, choices, scores
+        )
+
         aio = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        state.loop.submit(rid, prompt_ids, params, lambda item: aio.call_soon_threadsafe(q.put_nowait, item))
-        first = await next_item(q)
-        if isinstance(first, Refused):
-            raise first.error()
-        answer = Answer(rid, eng.model_name, chat, n_prompt, req.return_token_ids)
+        for k, (ids, sample_id) in enumerate(zip([p for p in prompts for _ in range(samples)], rids)):
+            j = k % samples
+            p = params
+            if j:  # sample j: its own seed, and the prompt's scores come from sample 0
+                seed = None if params.seed is None else (params.seed + j) % 2**64
+                p = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+            after = rids[k - j] if j else None
+            sink = lambda item, k=k: aio.call_soon_threadsafe(q.put_nowait, (k, item))  # noqa: E731
+            state.loop.submit(sample_id, ids, p, sink, after=after)
+
+        def abort_all() -> None:
+            for sample_id in rids:
+                state.loop.abort(sample_id)
+
+        # every sample is taken, or the request is refused as a whole
+        taken, early, refusal = set(), [], None
+        while len(taken) < len(rids) and refusal is None:
+            k, item = await next_item(q)
+            if isinstance(item, Refused):
+                refusal = item
+            elif isinstance(item, Accepted):
+                taken.add(k)
+            else:
+                early.append((k, item))
+        if refusal is not None:
+            abort_all()
+            raise refusal.error()
+
+        def prompt_scores(k: int, item) -> None:
+            """A sample other than the first of its prompt gets the first one's prompt scores."""
+            if item.prompt_logprobs is not None:
+                for c in choices[k - k % samples : k - k % samples + samples]:
+                    c.prompt_entries = item.prompt_logprobs
+
+        async def items():
+            for pair in early:
+                yield pair
+            while True:
+                yield await next_item(q)
+
         if not req.stream:
 
             async def collect() -> Response:
-                while True:
-                    item = await next_item(q)
+                done = 0
+                async for k, item in items():
                     if isinstance(item, Refused):
+                        abort_all()
                         return item.error().response()
                     if item.finish_reason == "error":
+                        abort_all()
                         return APIError(500, item.error, type="server_error").response()
-                    answer.add(item)
-                    if item.finished:
-                        return JSONResponse(answer.whole())
+                    answer.add(item, k)
+                    prompt_scores(k, item)
+                    done += item.finished
+                    if done == len(rids):
+                        break
+                if samples < n:  # max_tokens 0: the one scoring run, n times
+                    picked = [c for c in choices for _ in range(n)]
+                else:
+                    picked = []
+                    for i in range(len(prompts)):
+                        group = choices[i * samples : (i + 1) * samples]
+                        picked += sorted(group, key=lambda c: -c.mean_logprob)[:n] if samples > n else group
+                return JSONResponse(answer.whole(picked))
 
-            return WhenDone(collect, on_disconnect=lambda: state.loop.abort(rid))
+            return WhenDone(collect, on_disconnect=abort_all)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         async def events():
-            finished = False
+            finished: set[int] = set()
             try:
                 if chat:
-                    yield answer.chunk({"role": "assistant", "content": ""}, None, [])
-                while not finished:
-                    item = await next_item(q)
+                    for k in range(len(rids)):
+                        yield answer.role_chunk(k, include_usage)
+                async for k, item in items():
                     if isinstance(item, Refused) or item.finish_reason == "error":
                         error = (
                             item.error()
                             if isinstance(item, Refused)
                             else APIError(500, item.error, type="server_error")
                         )
-                        finished = True
                         yield f"data: {json.dumps(error.body())}\n\n"
                         break
-                    answer.add(item)
-                    finished = item.finished
-                    if not item.text_delta and not finished:
-                        continue  # a token that completes no character yet (or is held by a stop)
-                    yield answer.chunk(item.text_delta, item.finish_reason, item.new_token_ids, include_usage)
-                else:
-                    if include_usage:
-                        yield answer.usage_chunk()
+                    answer.add(item, k)
+                    prompt_scores(k, item)
+                    c = choices[k]
+                    if c.echo is not None and not c.echo_sent:
+                        yield answer.echo_chunk(k, include_usage)
+                    if item.finished:
+                        finished.add(k)
+                    if item.text_delta or item.finished:  # else: no whole character yet, or held by a stop
+                        yield answer.chunk(k, item.text_delta, item.finish_reason, include_usage)
+                    if len(finished) == len(rids):
+                        if include_usage:
+                            yield answer.usage_chunk()
+                        break
                 yield "data: [DONE]\n\n"
             finally:
-                if not finished:
-                    state.loop.abort(rid)  # the client went away: free its blocks and row now
+                if len(finished) < len(rids):
+                    abort_all()  # the client went away, or one sample failed: free every block now
 
         return EventStream(
             events(),

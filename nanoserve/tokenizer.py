@@ -23,6 +23,22 @@ from nanoserve.errors import NanoserveError
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table: every byte as a printable character, the alphabet of byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -236,6 +252,40 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps vocabulary symbols back to bytes (GPT-2's ByteLevel)."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+        return any(d.get("type") == "ByteLevel" for d in parts)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a special token: its text). For the scores of day 36:
+        a token may be part of a character, which no string of its own can show."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if token_id in self.special_ids:
+            return piece.encode()
+        if self._byte_level:
+            try:
+                return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            except KeyError:  # an added token written as plain text
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # sentencepiece byte fallback
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as a string: its text when its bytes are whole UTF-8 characters, else
+        OpenAI's `bytes:\\xe2\\x80` form (a replacement character would make different
+        tokens look alike, and clients key the alternatives of a position by this string)."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it."""

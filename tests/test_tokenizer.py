@@ -270,3 +270,30 @@ def test_streamed_text_equals_decode(tok, data, skip):
         so_far = tok.decode(ids[: k + 1], skip_special_tokens=skip)
         if not so_far.endswith("\ufffd"):
             assert emitted[k] == so_far
+
+
+def test_token_bytes_are_what_each_token_decodes_to(tok):
+    """The scores name tokens by their bytes (day 36): every vocabulary entry's bytes are what
+    decoding it alone gives, where that is whole characters; a piece of a character gets the
+    `bytes:` form, so two different pieces never look alike."""
+    pieces = set()
+    for i in range(tok.vocab_size):
+        raw = tok.token_bytes(i)
+        if i in tok.special_ids:
+            assert tok.token_text(i) == tok.backend.id_to_token(i)
+            continue
+        assert tok.decode([i]) == raw.decode("utf-8", errors="replace"), i
+        text = tok.token_text(i)
+        assert text.startswith("bytes:") != _whole_utf8(raw), i
+        pieces.add(text)
+    assert len(pieces) == tok.vocab_size - len(tok.special_ids), "two tokens share a name"
+    ids = tok.encode("naïve café 日本")
+    assert b"".join(tok.token_bytes(i) for i in ids).decode() == "naïve café 日本"
+
+
+def _whole_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
