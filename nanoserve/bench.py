@@ -12,6 +12,10 @@
                 the captured-and-warmed server against an eager (--no-capture) one; then a
                 warmed server against a lazily capturing one on a fresh start: the first
                 request's TTFT and the stall over one long generation.
+                With --url (a server already running), --nanoserve "OPTIONS" or --llama-server
+                BIN (started here on the GGUF): the token workload (random token-id prompts,
+                ignore_eos, greedy, one seed for every server) against each of them, one client,
+                one run, one table; the last server is the base of the printed ratios.
     admission   the throughput workload under a small KV pool: admission with the watermark
                 (a block kept free for every running request's next token, plus 5% of the
                 pool) against the earlier policy that hands a prompt the last free blocks;
@@ -268,7 +272,11 @@ def cmd_admission(args) -> None:
     rows = []
     for name, watermark in (("last free blocks", None), ("watermark", args.watermark)):
         config = EngineConfig(
-            max_batch=args.max_batch, max_model_len=args.max_model_len, kv_budget=budget, watermark=watermark
+            schedule=args.schedule,
+            max_batch=args.max_batch,
+            max_model_len=args.max_model_len,
+            kv_budget=budget,
+            watermark=watermark,
         )
         engines: list = []
         seconds, useful, preemptions = run_nanoserve_workload(model, tok, reqs, config, engines)
@@ -448,6 +456,96 @@ def cmd_serve(args) -> None:
     )
 
 
+class PeerProcess:
+    """llama.cpp's `llama-server` in a child process (a measurement, never a dependency), waited
+    on until its /health answers 200."""
+
+    def __init__(self, binary: str, gguf: str, port: int, slots: int, ctx: int, threads: int):
+        import subprocess
+
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots)]
+        cmd += ["-c", str(ctx), "-t", str(threads), "-tb", str(threads)]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    __enter__ = ServerProcess.__enter__
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.communicate(timeout=30)
+        except Exception:
+            self.proc.kill()
+
+
+def serve_row(name: str, url: str, reqs, clients: int, settle) -> dict:
+    import asyncio
+
+    from nanoserve.loadgen import run_load, summarize
+
+    asyncio.run(run_load(url, settle, clients))  # one round first: connections, allocations, lazy setup
+    return {"server": name, "url": url} | summarize(asyncio.run(run_load(url, reqs, clients)))
+
+
+def print_serve_table(rows: list[dict]) -> None:
+    print("\n| server | out tok/s | TTFT p50 / p99 | inter-token p50 / p99 | incomplete |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['server']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms'] / 1000:.2f} / "
+            f"{r['ttft_p99_ms'] / 1000:.2f} s | {r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} ms | "
+            f"{r['incomplete']} |"
+        )
+    if len(rows) > 1:
+        base = rows[-1]
+        for r in rows[:-1]:
+            print(
+                f"{r['server']} / {base['server']}: "
+                f"output tok/s {r['output_tok_s'] / base['output_tok_s']:.2f}x, "
+                f"TTFT p99 {r['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x, "
+                f"inter-token p99 {r['itl_p99_ms'] / base['itl_p99_ms']:.2f}x"
+            )
+
+
+def cmd_peers(args) -> None:
+    """The token workload against servers already running (--url) and/or ones this starts:
+    nanoserve (`--nanoserve "ARGS"`) and llama.cpp's server (`--llama-server BIN`), one client,
+    one run, the same requests."""
+    from nanoserve.loadgen import token_workload
+
+    seed = args.seed if args.seed is not None else int(time.time())
+    reqs = token_workload(args.requests, args.prompt_len, args.output_len, args.vocab, seed)
+    settle = token_workload(args.clients, args.prompt_len, args.output_len, args.vocab, seed + 1)
+    print(cpu_line())
+    print(
+        f"workload (seed {seed}): {args.requests} streamed completions of random token ids, prompts "
+        f"U{list(args.prompt_len)} tokens, max_tokens U{list(args.output_len)}, ignore_eos, greedy, "
+        f"{args.clients} concurrent clients over keep-alive connections"
+    )
+    rows = []
+    for spec in args.url or []:
+        name, _, url = spec.rpartition("=")
+        rows.append(serve_row(name or url, url, reqs, args.clients, settle))
+    for flags in args.nanoserve or []:
+        extra = flags.split()
+        with ServerProcess(extra, _free_port(), args.threads) as srv:
+            rows.append(serve_row(f"nanoserve {flags}".strip(), srv.url, reqs, args.clients, settle))
+    if args.llama_server:
+        from nanoserve.weights import fetch_default_gguf
+
+        gguf = args.gguf or str(fetch_default_gguf())
+        with PeerProcess(
+            args.llama_server, gguf, _free_port(), args.clients, args.ctx, args.threads or 2
+        ) as srv:
+            name = f"llama-server -np {args.clients} -c {args.ctx} -t {args.threads or 2}"
+            rows.append(serve_row(name, srv.url, reqs, args.clients, settle))
+    if not rows:
+        raise SystemExit("nothing to measure: give --url, --nanoserve or --llama-server")
+    print_serve_table(rows)
+    if args.csv:
+        write_csv([r | {"seed": seed} for r in rows], args.csv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -478,6 +576,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=512, help="tokens of the warm-vs-lazy long generation")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None, help="write the load rows here and the warm rows next to it")
+    # with --url, --nanoserve or --llama-server: the token workload against those servers instead
+    p.add_argument("--url", action="append", help="[NAME=]URL of a server already running (repeatable)")
+    p.add_argument(
+        "--nanoserve", action="append", help="start `nanoserve serve` with these options (repeatable)"
+    )
+    p.add_argument("--llama-server", default=None, help="a llama-server binary to start on the GGUF")
+    p.add_argument("--gguf", default=None, help="llama-server's GGUF (default: the one fetch-model got)")
+    p.add_argument("--ctx", type=int, default=8192, help="llama-server's -c (context over all slots)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn from [17, vocab)")
+    p.add_argument("--seed", type=int, default=None, help="the workload's seed (default: the clock)")
     p = sub.add_parser("admission", help="a tight KV pool: admission with the watermark against without")
     p.add_argument("--model", default=None)
     p.add_argument("--requests", type=int, default=64)
@@ -487,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--kv-budget", default="64MiB", help="a pool far smaller than the workload wants")
     p.add_argument("--watermark", type=float, default=0.05)
+    p.add_argument("--schedule", choices=["budget", "prefill-first"], default="prefill-first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None)
@@ -496,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "decode": cmd_decode,
         "throughput": cmd_throughput,
-        "serve": cmd_serve,
+        "serve": lambda a: cmd_peers(a) if (a.url or a.nanoserve or a.llama_server) else cmd_serve(a),
         "admission": cmd_admission,
     }
     try:

@@ -219,16 +219,19 @@ class BlockAllocator:
         table.blocks.extend(self._take_fresh() for _ in range(need))
         table.num_tokens = max(table.num_tokens, num_tokens)
 
-    def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int]) -> None:
-        """Register the hashes of table's blocks that token_ids fill, so later prompts can share them.
+    def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], upto: int | None = None) -> None:
+        """Register the hashes of table's blocks that token_ids[:upto] fill, so later prompts can share them.
 
-        token_ids must be tokens whose K/V is already written (a sequence's first num_computed
-        tokens): a registered block may be read by another sequence's very next step.
+        Those must be tokens whose K/V is already written (a sequence's first num_computed
+        tokens): a registered block may be read by another sequence's very next step. Only the
+        blocks filled since the last call are hashed, and nothing is copied: a decode step's
+        cost here does not grow with the context.
         """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(table.hashes), min(len(token_ids) // bs, len(table.blocks))):
+        n = len(token_ids) if upto is None else min(upto, len(token_ids))
+        for i in range(len(table.hashes), min(n // bs, len(table.blocks))):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = table.hashes[-1] if table.hashes else ROOT
             h = _chain(parent, tokens)

@@ -12,10 +12,13 @@ A step's addressing comes from a `StepPlan` (`plan.py`); `view(plan)` binds the 
 
 * `write` is one `index_put_` of the step's N new K/V rows at `plan.write_slots`.
 * `attention` gathers each row's keys through its slot window `plan.slot_window[r, :W]` and
-  masks every position at or past `plan.context_lens[r]`. A decode step is one batched gather
-  and one SDPA over (rows, W); a prefill step runs each row's queries (a ragged chunk of its
-  prompt, packed with the others) against its own window, causally. A row with context_lens 0
-  is fully masked and yields zeros, never NaN.
+  masks every position at or past `plan.context_lens[r]` (a prompt row's causal mask is built
+  once a step and shared by the layers). With `attention="native"` one-query rows skip the copy
+  and the mask: the C++ kernel reads each row's K/V where it lies (phase 6, `kernels.py`).
+  A decode step is one batched gather and one SDPA over (rows, W); a prefill step runs each
+  row's queries (a ragged chunk of its prompt, packed with the others) against its own window,
+  causally; a mixed step's decode rows come first and are batched as in decode. A row with
+  context_lens 0 is fully masked and yields zeros, never NaN.
 
 Pools are allocated on the first write of each layer (`_ensure_pool`), so building a cache is
 free and the memory is taken when the first batch arrives.
@@ -28,13 +31,36 @@ import torch.nn.functional as F
 
 from nanoserve.model import LlamaConfig
 
+ATTENTION = ("auto", "native", "gather")
+
 
 class BatchedPagedKVCache:
-    def __init__(self, cfg: LlamaConfig, num_slots: int, dtype=torch.float32, device="cpu"):
+    """`attention` picks how one-query rows (decode) read the pools: "gather" copies each row's
+    window (padded to the widest) and runs SDPA on the copy, the way days 18-24 build it;
+    "native" reads them in place with the C++ kernel (`kernels.py`); "auto" takes native on a
+    CPU where it builds, else gather."""
+
+    def __init__(
+        self, cfg: LlamaConfig, num_slots: int, dtype=torch.float32, device="cpu", attention: str = "auto"
+    ):
+        if attention not in ATTENTION:
+            raise ValueError(f"attention is one of {', '.join(ATTENTION)}, not {attention!r}")
         self.cfg, self.num_slots, self.dtype, self.device = cfg, num_slots, dtype, torch.device(device)
+        self.attention = self._resolve(attention)
         self.sink_slot = num_slots
         self.k: list[torch.Tensor | None] = [None] * cfg.num_layers
         self.v: list[torch.Tensor | None] = [None] * cfg.num_layers
+
+    def _resolve(self, attention: str) -> str:
+        if attention == "gather" or self.device.type != "cpu":
+            return "gather"
+        from nanoserve.kernels import native, native_status
+
+        if native() is None:
+            if attention == "native":
+                raise ValueError(f"the native attention kernel is {native_status()}")
+            return "gather"
+        return "native"
 
     def _ensure_pool(self, layer: int) -> None:
         if self.k[layer] is None:
@@ -57,19 +83,33 @@ class BatchedPagedKVCache:
         self.k[layer].index_put_((plan.write_slots,), k)
         self.v[layer].index_put_((plan.write_slots,), v)
 
-    def paged_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
-        """q (N, heads, head_dim) -> (N, heads, head_dim), each row reading only its own slots."""
+    def paged_attention(self, layer: int, q: torch.Tensor, plan, memo: dict | None = None) -> torch.Tensor:
+        """q (N, heads, head_dim) -> (N, heads, head_dim), each row reading only its own slots.
+        `memo` keeps what every layer of one step shares (a prompt row's causal mask), so it is
+        built once a step; native decode rows need no mask at all."""
+        # gather is the earlier way exactly (days 18-56 count its ops): a mask per row per layer
+        memo = {} if memo is None or self.attention == "gather" else memo
         if plan.is_decode:
-            return self._decode_attention(layer, q, plan)
-        return self._prefill_attention(layer, q, plan)
+            return self._decode_attention(layer, q, plan, memo)
+        return self._prefill_attention(layer, q, plan, memo)
 
-    def _decode_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
-        rows, width = plan.slot_window.shape  # one query per row
-        flat = plan.slot_window.reshape(-1)  # (B*W,) slot numbers
+    def _decode_attention(self, layer: int, q: torch.Tensor, plan, memo: dict) -> torch.Tensor:
+        return self._one_query_rows(layer, q, plan.slot_window, plan.context_lens)
+
+    def _one_query_rows(self, layer: int, q: torch.Tensor, window: torch.Tensor, context_lens):
+        """Rows of one query each (decode): q (B, nh, hd) against window (B, W), context_lens (B,)."""
+        if self.attention == "native":  # in place: no copy, no mask
+            from nanoserve.kernels import native
+
+            scale = self.cfg.head_dim**-0.5
+            return native().decode_attention(q, self.k[layer], self.v[layer], window, context_lens, scale)
+        # gather (days 18-56, kept as it was): each row's window copied, padding and all, then SDPA
+        rows, width = window.shape
+        flat = window.reshape(-1)  # (B*W,) slot numbers
         # index_select, not pool[window]: the same gather, ~4x faster on CPU (one memcpy per slot)
         k = self.k[layer].index_select(0, flat).view(rows, width, *self.k[layer].shape[1:])  # (B, W, kv, hd)
         v = self.v[layer].index_select(0, flat).view(rows, width, *self.v[layer].shape[1:])
-        visible = torch.arange(width, device=q.device)[None, :] < plan.context_lens[:, None]  # (B, W)
+        visible = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]  # (B, W)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, nh, 1, hd)
             k.transpose(1, 2),  # (B, kv, W, hd)
@@ -78,12 +118,16 @@ class BatchedPagedKVCache:
             enable_gqa=q.shape[1] != k.shape[2],
         )[:, :, 0]  # (B, nh, hd)
         # A fully masked row (context_lens 0: a padded row) comes out of softmax as NaN.
-        return torch.where((plan.context_lens > 0)[:, None, None], out, 0.0)
+        return torch.where((context_lens > 0)[:, None, None], out, 0.0)
 
-    def _prefill_attention(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
+    def _prefill_attention(self, layer: int, q: torch.Tensor, plan, memo: dict) -> torch.Tensor:
         out = torch.zeros_like(q)
+        d = plan.num_decode  # a mixed step's decode rows: one query each, batched as in decode
+        if d:  # their windows cut to the widest of them, not to the widest prompt of the step
+            window = plan.slot_window[:d, : plan.decode_width]
+            out[:d] = self._one_query_rows(layer, q[:d], window, plan.context_lens[:d])
         for r, (start, end, ctx) in enumerate(plan.row_spans):
-            if end == start or ctx == 0:
+            if r < d or end == start or ctx == 0:
                 continue
             slots = plan.slot_window[r, :ctx]  # (ctx,) this row's keys, oldest first
             k = self.k[layer].index_select(0, slots).transpose(0, 1)[None]  # (1, kv, ctx, hd)
@@ -91,10 +135,12 @@ class BatchedPagedKVCache:
             qr = q[start:end].transpose(0, 1)[None]  # (1, nh, n, hd)
             # query i sits at position ctx - n + i and sees keys up to and including itself
             n = end - start
-            mask = (
-                torch.arange(ctx, device=q.device)[None, :]
-                <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            )
+            mask = memo.get(r)
+            if mask is None:
+                mask = memo[r] = (
+                    torch.arange(ctx, device=q.device)[None, :]
+                    <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+                )
             o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=qr.shape[1] != k.shape[1])
             out[start:end] = o[0].transpose(0, 1)
         return out
@@ -113,9 +159,10 @@ class BatchedCacheRows:
 
     def __init__(self, cache: BatchedPagedKVCache, plan):
         self.cache, self.plan = cache, plan
+        self.memo: dict = {}  # masks shared by every layer of this step
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, k, v, self.plan)
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        return self.cache.paged_attention(layer, q, self.plan)
+        return self.cache.paged_attention(layer, q, self.plan, self.memo)

@@ -141,6 +141,28 @@ def build_parser() -> Parser:
         "a new prompt is not preempted on the next step (default: 0.05)",
     )
     p.add_argument(
+        "--schedule",
+        choices=["budget", "prefill-first"],
+        default="budget",
+        help="budget: decode rows and prompt chunks share one token budget a step, so a new prompt "
+        "slows the running streams instead of stopping them; prefill-first: a step is all prefill "
+        "or all decode, prompts first (the earlier policy) (default: budget)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["auto", "native", "gather"],
+        default="auto",
+        help="how decode reads the KV pools: native (a C++ kernel reading them in place, built on "
+        "first use), gather (a padded copy per row, then SDPA), auto (native where it builds) "
+        "(default: auto)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="the token budget of one step: decode rows plus prompt chunks (default: 512)",
+    )
+    p.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -310,6 +332,9 @@ def cmd_serve(args) -> None:
             warm=not args.no_warm,
             graph_budget=parse_bytes(args.graph_budget),
             watermark=args.watermark,
+            schedule=args.schedule,
+            attention=args.attention,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             warm_max_rows=args.warm_max_rows,
             warm_max_width=args.warm_max_width
             if args.warm_max_width is not None

@@ -20,6 +20,12 @@ class EngineConfig:
     kv_budget: int | None = None  # bytes for the KV pool; None: pool.py's default for the device
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
     enable_prefix_caching: bool = True
+    # "budget": decode rows and prompt chunks share one token budget a step (vLLM's default);
+    # "prefill-first": a step is all prefill or all decode, prompts first (the earlier policy)
+    schedule: str = "budget"
+    # how decode rows read the KV pools: "native" (the C++ kernel, in place), "gather" (a padded
+    # copy per row and SDPA, days 18-24), "auto" (native on a CPU where it builds)
+    attention: str = "auto"
     # admission keeps a block free for each running sequence's next token plus this share of the
     # pool (scheduler.py); None admits into the last free blocks (the earlier policy). 5%, not
     # vLLM's 1%: 1% of a CPU pool of ~100 blocks rounds to nothing (bench admission measures it)
@@ -53,6 +59,10 @@ class EngineConfig:
             raise ValueError(
                 "capture_decode needs persist_inputs: a graph reads its inputs at fixed addresses"
             )
+        if self.attention not in ("auto", "native", "gather"):
+            raise ValueError(f"attention must be auto, native or gather, got {self.attention!r}")
+        if self.schedule not in ("budget", "prefill-first"):
+            raise ValueError(f"schedule must be budget or prefill-first, got {self.schedule!r}")
         if self.watermark is not None and not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.width_multiple < 1:

@@ -104,9 +104,15 @@ class Engine:
         self.allocator = BlockAllocator(
             self.pool.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
-        self.cache = BatchedPagedKVCache(model.cfg, self.pool.num_slots, dtype=dtype, device=model.device)
+        self.cache = BatchedPagedKVCache(
+            model.cfg, self.pool.num_slots, dtype=dtype, device=model.device, attention=config.attention
+        )
         self.scheduler = Scheduler(
-            self.allocator, config.max_batch, config.max_num_batched_tokens, watermark=config.watermark
+            self.allocator,
+            config.max_batch,
+            config.max_num_batched_tokens,
+            watermark=config.watermark,
+            policy=config.schedule,
         )
         slot_table = buckets = inputs = None
         if config.bucket_decode:
@@ -131,6 +137,7 @@ class Engine:
         self.scheduler.on_leave = self.runner.release
         self.requests: dict[str, _Request] = {}
         self.held: dict[str, list[Sequence]] = {}  # request id -> samples waiting for its prompt
+        self.step_kinds = {"prefill": 0, "decode": 0, "mixed": 0}  # steps run, by what they held
         self._ids = itertools.count()
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
         self.warm_report = None  # a WarmupReport once warm_decode has run
@@ -226,10 +233,11 @@ class Engine:
         if not batch.seqs:
             return []
         plan = self.runner.plan(batch)
+        self.step_kinds["mixed" if batch.is_mixed else "decode" if batch.is_decode else "prefill"] += 1
         # rows whose prompt is being scored: every position's logits, not only the last
-        scored = [i for i, (s, start, _) in enumerate(batch.chunks) if not s.reuse_prefix]
+        scored = [i for i, (s, _, _) in enumerate(plan.chunks) if not s.reuse_prefix]
         if scored:
-            logits = self._execute_scoring(plan, batch, scored)
+            logits = self._execute_scoring(plan, scored)
         else:
             logits = self.runner.execute(plan)  # (B, V)
         for seq, _, end in batch.chunks:
@@ -238,7 +246,7 @@ class Engine:
             seq.num_computed = len(seq.token_ids)
         for seq in plan.rows:
             # only blocks whose K/V is written now may be shared: another sequence can read them next step
-            self.allocator.cache_full_blocks(seq.block_table, seq.token_ids[: seq.num_computed])
+            self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
         # a row samples once its whole sequence is in the cache (a prompt's last chunk, or decode)
         ready = [i for i, s in enumerate(plan.rows) if s.num_computed == len(s.token_ids)]
         outs = []
@@ -260,7 +268,7 @@ class Engine:
             outs.append(self._with_prompt_scores(seq, out))
         return outs
 
-    def _execute_scoring(self, plan, batch, scored: list[int]) -> torch.Tensor:
+    def _execute_scoring(self, plan, scored: list[int]) -> torch.Tensor:
         """Run a prefill step whose rows `scored` want every position's logits. Returns the
         sampling logits (B, V) as `execute` would, after storing the scored rows' prompt scores."""
         at, last, spans = [], [], {}
@@ -274,7 +282,7 @@ class Engine:
         plan.logits_at = torch.tensor(at, dtype=torch.long, device=plan.logits_at.device)
         every = self.runner.execute(plan)  # (len(at), V)
         for row in scored:
-            seq, start, end = batch.chunks[row]
+            seq, start, end = plan.chunks[row]
             first, _ = spans[row]
             # logits at position p score token p + 1; the prompt's last position scores no prompt token
             k = min(end, len(seq.prompt_ids) - 1) - start
@@ -338,7 +346,8 @@ class Engine:
             if stopped:
                 finish = "stop"
         if finish is None and (
-            len(seq.output_ids) >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len
+            len(seq.token_ids) - len(seq.prompt_ids) >= seq.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
         ):
             finish = "length"
         if finish is not None:

@@ -44,8 +44,9 @@ QUESTIONS = [
 
 @dataclass
 class LoadRequest:
-    messages: list[dict]
+    messages: list[dict] | None
     max_tokens: int
+    prompt: list[int] | None = None  # token ids: sent to /v1/completions instead of chat
 
 
 @dataclass
@@ -60,19 +61,19 @@ class RequestResult:
     error: str | None = None
 
     @property
+    def output_tokens(self) -> int:
+        """The server's own count when it sent one (usage), else the tokens counted in chunks."""
+        return self.usage_tokens if self.usage_tokens is not None else self.tokens
+
+    @property
     def complete(self) -> bool:
-        return (
-            self.error is None
-            and self.finish_reason == "length"
-            and self.tokens == self.asked
-            and self.usage_tokens == self.asked
-        )
+        return self.error is None and self.finish_reason == "length" and self.output_tokens == self.asked
 
     @property
     def tpot(self) -> float | None:
-        if self.ttft is None or self.tokens < 2:
+        if self.ttft is None or self.output_tokens < 2:
             return None
-        return (self.e2e - self.ttft) / (self.tokens - 1)
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 @dataclass
@@ -94,11 +95,33 @@ def chat_workload(n: int, max_tokens: int = 32, seed: int = 0, vary: bool = Fals
     return out
 
 
-async def stream_one(client, url: str, req: LoadRequest, headers: dict) -> RequestResult:
-    """One streaming chat request, timed chunk by chunk."""
+def token_workload(
+    n: int, prompt_len=(16, 256), output_len=(16, 128), vocab: int = 49152, seed: int = 0, first_id: int = 17
+) -> list[LoadRequest]:
+    """n completions of random token ids, prompt lengths and max_tokens drawn uniformly from the
+    two ranges (seeded; a new seed is a new workload, so no prompt cache helps). Ids start at
+    `first_id`, past SmolLM2's special tokens."""
+    rng = random.Random(seed)
+    return [
+        LoadRequest(
+            None,
+            rng.randint(*output_len),
+            [rng.randrange(first_id, vocab) for _ in range(rng.randint(*prompt_len))],
+        )
+        for _ in range(n)
+    ]
+
+
+async def stream_one(
+    client, url: str, req: LoadRequest, headers: dict, model: str | None = None
+) -> RequestResult:
+    """One streaming request, timed chunk by chunk: chat, or completions for a token-id prompt.
+
+    Tokens per chunk are counted from `token_ids` (nanoserve's extension) or `tokens` (what
+    llama.cpp's server sends when asked with `return_tokens`); a server that sends neither is
+    taken at one token per chunk with text, and its final `usage` has the last word."""
     res = RequestResult(asked=req.max_tokens)
     body = {
-        "messages": req.messages,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -106,10 +129,18 @@ async def stream_one(client, url: str, req: LoadRequest, headers: dict) -> Reque
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+    if model is not None:
+        body["model"] = model
+    if req.prompt is not None:
+        route = "/v1/completions"
+        body |= {"prompt": req.prompt, "return_tokens": True, "cache_prompt": False}
+    else:
+        route = "/v1/chat/completions"
+        body["messages"] = req.messages
     t0 = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        async with client.stream("POST", url + route, json=body, headers=headers) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                 return res
@@ -126,7 +157,12 @@ async def stream_one(client, url: str, req: LoadRequest, headers: dict) -> Reque
                 if chunk.get("usage"):
                     res.usage_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
-                    n = len(choice.get("token_ids") or [])
+                    if "token_ids" in choice:
+                        n = len(choice["token_ids"] or [])
+                    elif isinstance(chunk.get("tokens"), list):
+                        n = len(chunk["tokens"])
+                    else:
+                        n = 1 if (choice.get("text") or (choice.get("delta") or {}).get("content")) else 0
                     now = time.perf_counter()
                     if n:
                         if res.ttft is None:
@@ -144,7 +180,12 @@ async def stream_one(client, url: str, req: LoadRequest, headers: dict) -> Reque
 
 
 async def run_load(
-    url: str, reqs: list[LoadRequest], concurrency: int = 16, api_key: str | None = None, timeout: float = 600
+    url: str,
+    reqs: list[LoadRequest],
+    concurrency: int = 16,
+    api_key: str | None = None,
+    timeout: float = 600,
+    model: str | None = None,
 ) -> LoadReport:
     """Send every request, `concurrency` at a time (each client takes the next request when its
     previous one finishes)."""
@@ -158,7 +199,7 @@ async def run_load(
 
         async def worker():
             for i in todo:
-                results[i] = await stream_one(client, url, reqs[i], headers)
+                results[i] = await stream_one(client, url, reqs[i], headers, model)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -182,7 +223,7 @@ def summarize(report: LoadReport) -> dict:
     ttft = [r.ttft for r in rs if r.ttft is not None]
     itl = [x for r in rs for x in r.itls]
     tpot = [r.tpot for r in rs if r.tpot is not None]
-    tokens = sum(r.tokens for r in rs)
+    tokens = sum(r.output_tokens for r in rs)
     ms = lambda xs, q: round(1000 * percentile(xs, q), 1)
     return {
         "requests": len(rs),

@@ -43,6 +43,18 @@ class StepPlan:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    chunks = ()  # not a field: a decode plan has no chunks (PrefillPlan's are its rows)
+
+
+@dataclass
+class PrefillPlan(StepPlan):
+    """A prefill step's plan, or a mixed step's (phase 6): decode rows first as one-token chunks.
+    Its extra fields are not a decode plan's, so what a decode graph binds (day 50) is unchanged."""
+
+    chunks: list = field(default_factory=list)  # the (seq, start, end) of each row
+    num_decode: int = 0  # leading rows that are one-token decode rows
+    decode_width: int = 0  # the longest context among them
+
 
 def slot_window(block_lists: list[list[int]], block_size: int, device) -> torch.Tensor:
     """Rows' slot numbers, (B, max_blocks * block_size); rows with fewer blocks padded with
@@ -67,7 +79,7 @@ def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
         spans.append((n0, len(ids), end))
         ctx.append(end)
         last.append(len(ids) - 1)
-    return StepPlan(
+    return PrefillPlan(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
         write_slots=torch.tensor(slots, dtype=torch.long, device=device),
@@ -76,6 +88,7 @@ def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
         logits_at=torch.tensor(last, dtype=torch.long, device=device),
         rows=tuple(s for s, _, _ in chunks),
         row_spans=spans,
+        chunks=list(chunks),
     )
 
 

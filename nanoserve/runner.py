@@ -2,7 +2,10 @@
 
 Prefill and decode both run eagerly here (days 24-25). Day 52-55 add the decode variants
 (bucketed, persistent inputs, captured) behind the same `execute` call, so the engine never
-knows which one ran.
+knows which one ran. A mixed step (the budget policy: decode rows and prompt chunks together)
+is planned as prefill with the decode rows first as one-token chunks, and runs eagerly; only
+pure decode steps take the bucketed and captured paths (as vLLM's piecewise mode runs mixed
+batches outside its full graphs).
 
 Graph memory is bounded. Without a warm list (`lazy`, day 54) an unseen decode shape is recorded
 on first use while the recorded graphs hold less than `graph_budget` bytes; past that, a new
@@ -58,7 +61,11 @@ class ModelRunner:
             return plan_decode_bucketed(seqs, self.slot_table, self.buckets, self.inputs, device)
         if batch.is_decode:
             return plan_decode(batch.decode, self.block_size, device)
-        return plan_prefill(batch.chunks, self.block_size, device)
+        # prefill, or a mixed step: decode rows ride along as one-token chunks, first
+        plan = plan_prefill(batch.as_chunks(), self.block_size, device)
+        plan.num_decode = len(batch.decode)
+        plan.decode_width = max((len(s.token_ids) for s in batch.decode), default=0)
+        return plan
 
     def _sync_rows(self, seqs: list[Sequence]) -> list[Sequence]:
         """Bring the slot table up to this decode batch: rows of sequences no longer decoding are

@@ -6,6 +6,10 @@
     temperature < 1e-5 -> greedy (argmax); top_k, top_p and the seed are irrelevant
     temperature t      -> logits / t, then top-k, then top-p (nucleus), then one draw
 
+The batch is filtered in one pass (`filter_batch`: one top-k at the largest k, one sort for
+the rows with a top-p) and each sampled row then draws with its own generator; `filter_logits`
+is the same filter for one row, the reference the batched one is tested against.
+
 A temperature below `SAMPLING_EPS` is greedy rather than a division: logits / 1e-39 are inf,
 their softmax NaN, and `multinomial` raises (before `sample_rows`, that one draw ended every
 request of its step; vLLM draws the greedy line at the same 1e-5). `sample_rows` keeps one
@@ -152,23 +156,64 @@ def sample(
     return torch.tensor(picked, dtype=torch.long, device=logits.device)
 
 
+def filter_batch(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`filter_logits` for every row at once, each under its own top_k and top_p: one topk at
+    the largest k asked, one sort for the rows with a top_p below 1. Row by row it keeps
+    exactly what `filter_logits` keeps (tests/test_sampling.py holds it to that)."""
+    rows, vocab = logits.shape
+    k = torch.tensor([t if 0 < t < vocab else 0 for t in top_k], device=logits.device)
+    if int(k.max()) > 0:
+        values = torch.topk(logits, int(k.max()), dim=-1).values  # (R, kmax), largest first
+        kth = values.gather(1, (k.clamp(min=1) - 1)[:, None])  # (R, 1) each row's k-th largest
+        logits = logits.masked_fill((k > 0)[:, None] & (logits < kth), float("-inf"))
+    nucleus = [i for i, p in enumerate(top_p) if p < 1.0]
+    if nucleus:
+        idx = torch.tensor(nucleus, device=logits.device)
+        part = logits[idx]
+        sorted_logits, order = torch.sort(part, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        p = torch.tensor([top_p[i] for i in nucleus], dtype=probs.dtype, device=logits.device)
+        drop_sorted = (probs.cumsum(-1) - probs) >= p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.clone()
+        logits[idx] = part.masked_fill(drop, float("-inf"))
+    return logits
+
+
 def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | str]:
     """One token id per row of logits (B, V), or for a row that cannot be sampled a sentence
-    saying why. Greedy rows are one batched argmax; each sampled row draws on its own."""
+    saying why. Greedy rows are one batched argmax. The sampled rows are filtered and turned
+    into probabilities in one batched pass (`filter_batch`); then each draws from its own
+    generator, so a seeded row's token does not depend on what shares its batch. Should the
+    batched pass fail, every sampled row is tried alone, so the failure stays with its row."""
     finite = torch.isfinite(logits).all(-1).tolist()  # (B,): a NaN or inf row poisons only itself
     tokens: list[int | str] = logits.argmax(-1).tolist()  # right for every greedy row
+    sampled = []
     for i, p in enumerate(params):
         if not finite[i]:
             tokens[i] = "the model produced non-finite logits for this request"
-            continue
-        if p.greedy:
-            continue
+        elif not p.greedy:
+            sampled.append(i)
+    if not sampled:
+        return tokens
+    try:
+        idx = torch.tensor(sampled, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
+        rows = logits[idx].float() / temps[:, None]
+        probs = filter_batch(rows, [params[i].top_k for i in sampled], [params[i].top_p for i in sampled])
+        probs = probs.softmax(-1)
+    except (RuntimeError, ValueError):
+        probs = None
+    for j, i in enumerate(sampled):
+        p = params[i]
         try:
-            row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p)
-            probs = row.softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i])[0])
+            if probs is None:
+                row = filter_logits(logits[i].float() / p.temperature, p.top_k, p.top_p).softmax(-1)
+            else:
+                row = probs[j]
+            tokens[i] = int(torch.multinomial(row, 1, generator=generators[i])[0])
         except (RuntimeError, ValueError) as e:
             tokens[i] = f"sampling failed for this request ({e})"
     return tokens

@@ -1,7 +1,16 @@
 """Continuous batching (days 26-31): which sequences run in the next step, and with what.
 
 A `Sequence` is one request's tokens and state. The `Scheduler` keeps a waiting queue and a
-running set, and every step returns either a prefill batch or a decode batch:
+running set. Two policies choose a step (`policy`):
+
+* "budget" (the default; vLLM's since V1): one token budget per step
+  (`max_num_batched_tokens`). Every running sequence that is decoding gets its one token first
+  (oldest first, preempting the newest when blocks run out, as below); what is left of the
+  budget goes to prompt chunks, first of running sequences still in prefill, then of new
+  sequences admitted from the queue. A step may mix decode rows and prompt chunks, so a new
+  prompt costs the running streams a slower step rather than a missing one.
+* "prefill-first" (the earlier policy, kept as a named variant): a step is all prefill or all
+  decode, and any prompt work due goes first:
 
 * prefill first: unfinished prompt chunks of running sequences, then new sequences admitted from
   the front of the queue while a row is free (`max_batch`), the step's token budget
@@ -19,7 +28,9 @@ its first generated token will need), the free list still holds a block for ever
 sequence whose next token starts a new block, plus `watermark` of the pool (5% by default;
 vLLM keeps 1%, but its GPU pools run to thousands of blocks, and 1% of the ~100-block pools a
 CPU serves rounds to nothing: on the throughput workload over 90 blocks, 1% took preemptions
-from 34 to 27, 5% to 5, for 1% more steps).
+from 34 to 27, 5% to 5, for 1% more steps; measured under prefill-first, where admission runs
+before decode and the reserve matters most: the budget policy hands decode rows their blocks
+before it admits anything).
 Without it, a prompt could take the last free blocks and the very next decode step would
 preempt it, the newest, throwing its prefill away, over and over under a tight pool. With
 nothing running the reserve is 0, so a prompt as long as the pool is still admitted.
@@ -88,21 +99,36 @@ class Batch:
 
     @property
     def is_decode(self) -> bool:
-        return bool(self.decode)
+        """Only decode rows: the step the bucketed and captured paths serve."""
+        return bool(self.decode) and not self.chunks
+
+    @property
+    def is_mixed(self) -> bool:
+        return bool(self.decode) and bool(self.chunks)
 
     @property
     def seqs(self) -> list[Sequence]:
-        return self.decode or [s for s, _, _ in self.chunks]
+        return self.decode + [s for s, _, _ in self.chunks]
+
+    def as_chunks(self) -> list[tuple[Sequence, int, int]]:
+        """Every row as a chunk, decode rows first: a decode row is its newest token's chunk."""
+        return [(s, len(s.token_ids) - 1, len(s.token_ids)) for s in self.decode] + self.chunks
 
 
 class Scheduler:
+    POLICIES = ("budget", "prefill-first")
+
     def __init__(
         self,
         allocator: BlockAllocator,
         max_batch: int,
         max_num_batched_tokens: int,
         watermark: float | None = 0.05,
+        policy: str = "budget",
     ):
+        if policy not in self.POLICIES:
+            raise ValueError(f"the scheduling policy is one of {', '.join(self.POLICIES)}, not {policy!r}")
+        self.policy = policy
         self.allocator = allocator
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -127,20 +153,36 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Batch:
+        if self.policy == "budget":
+            return self._schedule_budget()
         batch = self._schedule_prefill()
         if batch.chunks:
             return batch
         return self._schedule_decode()
 
-    def _schedule_prefill(self) -> Batch:
-        budget = self.max_num_batched_tokens
-        batch = Batch()
+    def _schedule_budget(self) -> Batch:
+        """Decode rows first, one token each; then prompt chunks in what is left of the budget."""
+        preemptions = self.num_preemptions
+        batch = self._schedule_decode(
+            [s for s in self.running if not s.needs_prefill], self.max_num_batched_tokens
+        )
+        # a step that had to preempt admits nothing new: the pool is short already
+        admit = self.num_preemptions == preemptions
+        return self._schedule_prefill(self.max_num_batched_tokens - len(batch.decode), batch, admit)
+
+    def _schedule_prefill(
+        self, budget: int | None = None, batch: Batch | None = None, admit: bool = True
+    ) -> Batch:
+        budget = self.max_num_batched_tokens if budget is None else budget
+        batch = Batch() if batch is None else batch
         for seq in self.running:  # prompts already admitted whose later chunks are due
-            if seq.needs_prefill and budget > 0:
+            if not seq.needs_prefill:
+                continue
+            if budget > 0:
                 end = min(len(seq.token_ids), seq.num_computed + budget)
                 batch.chunks.append((seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if not self.can_admit(seq):
                 break  # admitting it now would make the next decode step preempt someone
@@ -174,11 +216,15 @@ class Scheduler:
         need = self.allocator.prompt_blocks_needed(seq.token_ids, extra_tokens=1, use_cache=seq.reuse_prefix)
         return need + self.reserve() <= self.allocator.num_free
 
-    def _schedule_decode(self) -> Batch:
+    def _schedule_decode(self, seqs: list[Sequence] | None = None, limit: int | None = None) -> Batch:
+        """One token for each of seqs (default: every running sequence), oldest first, at most
+        `limit` of them; a sequence that needs a block when none is free preempts the newest."""
         batch = Batch()
-        for seq in sorted(self.running, key=lambda s: s.arrival):  # oldest first: they keep their blocks
+        for seq in sorted(self.running if seqs is None else seqs, key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted below while making room for an older one
+            if limit is not None and len(batch.decode) >= limit:
+                break
             while True:
                 try:
                     self.allocator.append_slots(seq.block_table, len(seq.token_ids))

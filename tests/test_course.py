@@ -20,12 +20,16 @@ PHASES = [
     (22, 33, 3, "Batching"),
     (34, 47, 4, "Serving"),
     (48, 56, 5, "Benchmark and optimize"),
+    (57, 999, 6, "Beyond"),
 ]
 
 
-def calendar(n_days=56):
+def calendar(n_days=None):
     """The rule in journal/README.md: weekdays from Mon 2026-06-15, less three holidays and a
-    one-week break; weeks counted Monday to Sunday from the first."""
+    one-week break; weeks counted Monday to Sunday from the first. By default as many days as
+    the README's table has (56, and each phase-6 day as it lands)."""
+    if n_days is None:
+        n_days = max(56, max(calendar_rows(), default=56))
     start = dt.date(2026, 6, 15)
     off = {dt.date(2026, 6, 19), dt.date(2026, 7, 3), dt.date(2026, 9, 7)}
     off |= {dt.date(2026, 7, 27) + dt.timedelta(i) for i in range(5)}

@@ -133,6 +133,60 @@ def test_preemption_finishes_everything_with_the_same_tokens(tiny_model):
     print(f"preemptions: {tight.scheduler.num_preemptions}")
 
 
+@pytest.mark.parametrize(
+    "policy, attention", [("budget", "auto"), ("budget", "gather"), ("prefill-first", "auto")]
+)
+def test_both_policies_give_the_eager_tokens_with_chunks_arrivals_and_preemption(
+    tiny_model, policy, attention
+):
+    """Staggered arrivals, prompts longer than a step's budget and a pool too small for the
+    load: under the budget policy steps mix decode rows with prompt chunks (counted), under
+    prefill-first none do; both give the eager path's tokens (near-ties excused)."""
+    reqs = random_requests(16, tiny_model.cfg.vocab_size, seed=9, min_len=10, max_len=70, max_tokens=(10, 40))
+    eager = [greedy_tokens(tiny_model, p, n) for p, n in reqs]
+    per_block = tiny_model.cfg.kv_bytes_per_token(torch.float32) * 4
+    engine = tiny_engine(
+        tiny_model,
+        schedule=policy,
+        attention=attention,
+        max_num_batched_tokens=24,
+        kv_budget=per_block * 70,
+        max_model_len=256,
+    )
+    got = run_all(engine, reqs, stagger=2)
+    kinds = engine.step_kinds
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to preempt"
+    if policy == "budget":
+        assert kinds["mixed"] > 0
+    else:
+        assert kinds["mixed"] == 0
+    ties = []
+    for (prompt, _), ref, g in zip(reqs, eager, got):
+        check_same_or_near_tie(tiny_model, prompt, ref, g, ties)
+    print(f"{policy}: steps {kinds}, preemptions {engine.scheduler.num_preemptions}, near-ties {len(ties)}")
+
+
+def test_a_mixed_step_does_not_stop_the_running_streams(tiny_model):
+    """The point of the budget: while a long prompt is prefilled in chunks, every running
+    stream still gets a token each step; prefill-first gives them none until it is done."""
+    gaps = {}
+    for policy in ("budget", "prefill-first"):
+        engine = tiny_engine(tiny_model, schedule=policy, max_num_batched_tokens=16)
+        streams = [
+            engine.add_request([i + 1, i + 2, i + 3], SamplingParams(max_tokens=60, ignore_eos=True))
+            for i in range(4)
+        ]
+        for _ in range(3):
+            engine.step()
+        engine.add_request(list(range(100, 200)), SamplingParams(max_tokens=1))  # 100 tokens: 7 chunks
+        without = 0
+        for _ in range(8):
+            got = {o.request_id for o in engine.step()}
+            without += not set(streams) <= got
+        gaps[policy] = without
+    assert gaps["budget"] == 0 and gaps["prefill-first"] >= 6, gaps
+
+
 def test_prefix_sharing_reuses_three_blocks(tiny_model):
     rng = random.Random(3)
     prefix = [rng.randrange(256) for _ in range(12)]  # three blocks of 4
@@ -154,10 +208,16 @@ def test_prefix_sharing_reuses_three_blocks(tiny_model):
     assert outs == unshared
 
 
+@pytest.mark.parametrize("policy", ["budget", "prefill-first"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
-def test_invariants_hold_over_random_arrivals_and_aborts(tiny_model, data):
-    engine = tiny_engine(tiny_model, kv_budget=tiny_model.cfg.kv_bytes_per_token(torch.float32) * 4 * 80)
+def test_invariants_hold_over_random_arrivals_and_aborts(tiny_model, policy, data):
+    engine = tiny_engine(
+        tiny_model,
+        kv_budget=tiny_model.cfg.kv_bytes_per_token(torch.float32) * 4 * 80,
+        schedule=policy,
+        max_num_batched_tokens=data.draw(st.sampled_from([8, 32, 64])),
+    )
     live: list[str] = []
     for _ in range(data.draw(st.integers(5, 30))):
         action = data.draw(st.sampled_from(["add", "add", "step", "step", "step", "abort"]))

@@ -278,14 +278,15 @@ def simulate(sched, steps: int) -> None:
                 sched.finish(seq, "length")
 
 
-def tight_pool(watermark):
+def tight_pool(watermark, policy="prefill-first"):
     """6 blocks of 4 tokens. `a` (8 prompt tokens) has sampled its first token, so its next
-    decode needs a third block; `b` (15 tokens) arrives and would take the 4 blocks left."""
+    decode needs a third block; `b` (15 tokens) arrives and would take the 4 blocks left.
+    Prefill-first, where admission runs before decode: the policy the watermark was made for."""
     from nanoserve.blocks import BlockAllocator
     from nanoserve.scheduler import Scheduler, Sequence
 
     alloc = BlockAllocator(6, 4, enable_prefix_caching=False)
-    sched = Scheduler(alloc, max_batch=4, max_num_batched_tokens=64, watermark=watermark)
+    sched = Scheduler(alloc, max_batch=4, max_num_batched_tokens=64, watermark=watermark, policy=policy)
     a = Sequence("a", list(range(8)), SamplingParams(max_tokens=6), 4)
     a.max_tokens = 6
     sched.add(a)
@@ -309,6 +310,12 @@ def test_a_just_admitted_prompt_is_not_the_next_one_preempted():
     simulate(new, 40)
     assert new.num_preemptions == 0 and a.finished and b.finished
     assert new.allocator.num_used == 0
+
+    # the budget policy gives decode rows their blocks before anything is admitted, so even
+    # without the reserve b cannot take a's next block
+    budget, a, b = tight_pool(watermark=None, policy="budget")
+    simulate(budget, 40)
+    assert budget.num_preemptions == 0 and a.finished and b.finished
 
 
 def test_the_watermark_cuts_preemptions_on_a_tight_pool(tmp_path):

@@ -78,3 +78,51 @@ def test_bad_params_are_a_sentence(kwargs, words):
 def test_good_params_pass_and_a_single_stop_string_becomes_a_tuple():
     p = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, stop="END", seed=1).validate()
     assert p.stop == ("END",)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 2**31 - 1),
+    st.lists(
+        st.tuples(st.integers(0, 70), st.sampled_from([1.0, 0.9, 0.5, 0.05, 1e-9])), min_size=1, max_size=6
+    ),
+)
+def test_the_batched_filter_keeps_what_the_one_row_filter_keeps(seed, settings_):
+    """filter_batch against filter_logits, row by row, each row under its own top-k and top-p;
+    ties are made on purpose (rounded logits), where an order-dependent filter would differ."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(settings_), 64, generator=g) * 3).round()
+    ks, ps = [k for k, _ in settings_], [p for _, p in settings_]
+    from nanoserve.sampling import filter_batch
+
+    got = filter_batch(logits, ks, ps)
+    for i, (k, p) in enumerate(settings_):
+        want = filter_logits(logits[i], k, p)
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), (k, p)
+
+
+def test_the_batched_filter_check_fails_on_a_shared_k():
+    """The check above, shown failing: a filter that used the batch's first k for every row."""
+    from nanoserve.sampling import filter_batch
+
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    wrong = filter_batch(logits, [3, 3], [1.0, 1.0])
+    assert not torch.equal(torch.isfinite(wrong[1]), torch.isfinite(filter_logits(logits[1], 10, 1.0)))
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_a_mixed_batch():
+    """The batched sampler: a seeded row's token, over several draws, is the same alone and
+    beside greedy, top-k and top-p rows."""
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=77)
+    others = [
+        SamplingParams(),
+        SamplingParams(temperature=1.2, top_k=5, seed=1),
+        SamplingParams(top_p=0.5, temperature=1.0, seed=2),
+    ]
+    g_alone, g_batch = seeded.make_generator(), seeded.make_generator()
+    gens = [None] + [p.make_generator() for p in others[1:]]
+    for _ in range(8):
+        alone = sample(logits[:1].clone(), [seeded], [g_alone])[0].item()
+        batch = sample(logits.clone(), [seeded, *others], [g_batch, *gens])
+        assert batch[0].item() == alone

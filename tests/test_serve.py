@@ -636,6 +636,8 @@ def test_serve_help_documents_every_option():
         "--drain-timeout",
         "--graph-budget",
         "--watermark",
+        "--schedule",
+        "--max-num-batched-tokens",
         "--model",
         "--dtype",
         "--threads",
@@ -651,6 +653,7 @@ def test_serve_help_documents_every_option():
         (["--max-batch", "0"], "max_batch must be at least 1"),
         (["--kv-budget", "lots"], "lots"),
         (["--warm-max-width", "0"], "warm_max_width must be at least 1"),
+        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be at least 1"),
     ],
 )
 def test_serve_mistakes_are_one_line(args, words):

@@ -58,6 +58,8 @@ def tiny_engine(model: Llama, bucketed: bool = True) -> Engine:
     """4 rows, blocks of 4 tokens, 64-token context, widths in multiples of 16."""
     per_block = TINY.kv_bytes_per_token(torch.float32) * 4
     cfg = EngineConfig(
+        schedule="prefill-first",
+        attention="gather",  # the engine as built through day 56
         max_batch=4,
         block_size=4,
         max_model_len=64,

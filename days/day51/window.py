@@ -134,6 +134,8 @@ def tiny_engine(bucketed: bool = True, seed: int = 0) -> Engine:
     model = tiny_llama(seed, 0.3, TINY.max_position_embeddings)
     per_block = TINY.kv_bytes_per_token(torch.float32) * 4
     cfg = EngineConfig(
+        schedule="prefill-first",
+        attention="gather",  # the engine as built through day 56
         max_batch=4,
         block_size=4,
         max_model_len=64,

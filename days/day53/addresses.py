@@ -58,6 +58,8 @@ def tiny_model(seed: int = 0) -> Llama:
 def engine(model, mode: str, max_batch: int = 4, max_model_len: int = 256, **kw) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 16
     config = EngineConfig(
+        schedule="prefill-first",
+        attention="gather",  # the engine as built through day 56
         max_batch=max_batch,
         max_model_len=max_model_len,
         kv_budget=per_block * (max_batch * max_model_len // 16 + 1),

@@ -1,0 +1,86 @@
+"""The native decode-attention kernel against the gather path it replaces (kernels.py)."""
+
+import pytest
+import torch
+
+from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.kernels import native, native_status
+from nanoserve.model import LlamaConfig
+
+needs_native = pytest.mark.skipif(native() is None, reason=f"the native kernel is {native_status()}")
+
+
+def pools(dtype, slots=300, heads=9, kv=3, hd=64, seed=0):
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=heads * hd,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hd,
+        max_position_embeddings=512,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+    )
+    g = torch.Generator().manual_seed(seed)
+    caches = {}
+    for kind in ("gather", "native"):
+        c = BatchedPagedKVCache(cfg, slots, dtype=dtype, attention=kind)
+        c.ensure_pools()
+        caches[kind] = c
+    k = torch.randn(slots + 1, kv, hd, generator=g).to(dtype)
+    v = torch.randn(slots + 1, kv, hd, generator=g).to(dtype)
+    for c in caches.values():
+        c.k[0].copy_(k)
+        c.v[0].copy_(v)
+    return cfg, caches, g
+
+
+@needs_native
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_native_decode_attention_equals_the_gather_path(dtype, tol):
+    cfg, caches, g = pools(dtype)
+    lens = torch.tensor([1, 17, 0, 130, 64, 5])  # a 0: a padded row of a bucket
+    window = torch.stack([torch.randperm(300, generator=g)[:160] for _ in lens])
+    q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=g).to(dtype)
+    ref = caches["gather"]._one_query_rows(0, q, window, lens)
+    got = caches["native"]._one_query_rows(0, q, window, lens)
+    assert got.dtype == dtype and got.shape == ref.shape
+    assert (got[2] == 0).all(), "a row of context 0 reads nothing and gives zeros"
+    assert (got.float() - ref.float()).abs().max().item() < tol
+
+
+@needs_native
+def test_the_kernel_check_fails_on_a_kernel_reading_one_slot_too_many():
+    """The comparison above, shown failing: context lengths one longer (an off-by-one a kernel
+    could make) give a different answer."""
+    cfg, caches, g = pools(torch.float32, seed=1)
+    lens = torch.tensor([9, 40])
+    window = torch.stack([torch.randperm(300, generator=g)[:64] for _ in lens])
+    q = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=g)
+    ref = caches["gather"]._one_query_rows(0, q, window, lens)
+    wrong = caches["native"]._one_query_rows(0, q, window, lens + 1)
+    assert (wrong - ref).abs().max().item() > 1e-3
+
+
+def test_asking_for_native_where_it_cannot_build_is_a_sentence(monkeypatch):
+    import nanoserve.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_status", "unavailable (no compiler)")
+    monkeypatch.setattr(kernels, "_ext", None)
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+    )
+    with pytest.raises(ValueError, match="native attention kernel is unavailable"):
+        BatchedPagedKVCache(cfg, 16, attention="native")
+    assert BatchedPagedKVCache(cfg, 16, attention="auto").attention == "gather"
