@@ -52,6 +52,10 @@ class BatchedPagedKVCache:
         self.v: list[torch.Tensor | None] = [None] * cfg.num_layers
 
     def _resolve(self, attention: str) -> str:
+        if attention == "native" and self.device.type != "cpu":
+            raise ValueError(
+                f"the native attention kernel is for CPU; on {self.device.type} use auto or gather"
+            )
         if attention == "gather" or self.device.type != "cpu":
             return "gather"
         from nanoserve.kernels import native, native_status

@@ -38,10 +38,14 @@ def native():
             _status = "off (NANOSERVE_NATIVE=0)"
             return None
         try:
+            import hashlib
+
             from torch.utils.cpp_extension import load
 
+            # named by its source, so checkouts with different kernels never rebuild each other's
+            digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
             _ext = load(
-                name="nanoserve_native",
+                name=f"nanoserve_native_{digest}",
                 sources=[str(p) for p in _SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -10,18 +10,19 @@ running set. Two policies choose a step (`policy`):
   sequences admitted from the queue. A step may mix decode rows and prompt chunks, so a new
   prompt costs the running streams a slower step rather than a missing one.
 * "prefill-first" (the earlier policy, kept as a named variant): a step is all prefill or all
-  decode, and any prompt work due goes first:
+  decode, and any prompt work due goes first.
 
-* prefill first: unfinished prompt chunks of running sequences, then new sequences admitted from
-  the front of the queue while a row is free (`max_batch`), the step's token budget
-  (`max_num_batched_tokens`) lasts and the allocator can give the prompt its blocks and still
-  keep the reserve free (below). A prompt
-  longer than the budget is split into chunks over several steps (chunked prefill); a prefix
-  the allocator already holds is skipped (prefix caching).
-* otherwise decode: every running sequence gets one token. When a sequence needs a new block
-  and none is free, the newest running sequence is preempted: it returns its blocks and goes
-  back to the front of the queue, to be recomputed from its prompt and the tokens it already
-  generated (preemption by recompute).
+Both are built from the same two passes:
+
+  - prompt chunks: unfinished prompt chunks of running sequences, then new sequences admitted
+    from the front of the queue while a row is free (`max_batch`), the step's token budget
+    lasts and the allocator can give the prompt its blocks and still keep the reserve free
+    (below). A prompt longer than the budget is split into chunks over several steps (chunked
+    prefill); a prefix the allocator already holds is skipped (prefix caching).
+  - decode rows: every running sequence past its prompt gets one token. When a sequence needs a
+    new block and none is free, the newest running sequence is preempted: it returns its blocks
+    and goes back to the front of the queue, to be recomputed from its prompt and the tokens it
+    already generated (preemption by recompute).
 
 The reserve (day 28's watermark): a prompt is admitted only if, after its blocks (and the block
 its first generated token will need), the free list still holds a block for every running

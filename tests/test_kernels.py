@@ -84,3 +84,14 @@ def test_asking_for_native_where_it_cannot_build_is_a_sentence(monkeypatch):
     with pytest.raises(ValueError, match="native attention kernel is unavailable"):
         BatchedPagedKVCache(cfg, 16, attention="native")
     assert BatchedPagedKVCache(cfg, 16, attention="auto").attention == "gather"
+
+
+@needs_native
+def test_a_window_outside_the_pools_is_an_error_not_a_stray_read():
+    cfg, caches, g = pools(torch.float32, seed=2)
+    window = torch.zeros(2, 8, dtype=torch.long)
+    window[1, 3] = 10_000  # past the 301 slots of the pools
+    q = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=g)
+    with pytest.raises(RuntimeError, match="outside the pools"):
+        caches["native"]._one_query_rows(0, q, window, torch.tensor([8, 8]))
+    caches["native"]._one_query_rows(0, q, window, torch.tensor([8, 3]))  # slot 3 of row 1 is unread

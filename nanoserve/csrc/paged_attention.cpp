@@ -94,9 +94,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of K/V heads");
   TORCH_CHECK(window.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "window and context_lens are int64");
+  TORCH_CHECK(window.dim() == 2 && window.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "one window row and one context length per query row");
   q = q.contiguous();
   window = window.contiguous();
   context_lens = context_lens.contiguous();
+  {  // every slot a row reads must lie in the pools: a bad window is an error, never a stray read
+    const int64_t* w = window.data_ptr<int64_t>();
+    const int64_t* c = context_lens.data_ptr<int64_t>();
+    const int64_t width = window.size(1), slots = k.size(0);
+    for (int64_t b = 0; b < window.size(0); ++b) {
+      const int64_t n = std::min<int64_t>(c[b], width);
+      for (int64_t j = 0; j < n; ++j)
+        TORCH_CHECK(w[b * width + j] >= 0 && w[b * width + j] < slots, "row ", b, " reads slot ",
+                    w[b * width + j], ", outside the pools' ", slots, " slots");
+    }
+  }
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat) {
     decode_kernel<float>(q, k, v, window, context_lens, out, scale);
