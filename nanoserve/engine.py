@@ -316,9 +316,7 @@ class Engine:
         """A request that only scores its prompt ends when the prompt is computed."""
         self.requests.pop(seq.request_id, None)
         self.scheduler.finish(seq, "length")
-        out = RequestOutput(seq.request_id, [], finish_reason="length")
-        out.prompt_logprobs = [None, *seq.prompt_lp]
-        return out
+        return self._with_prompt_scores(seq, RequestOutput(seq.request_id, [], finish_reason="length"))
 
     def _append_or_fail(self, seq: Sequence, token: int | str) -> RequestOutput:
         """One row's outcome. A row that could not be sampled (token is the reason) or whose

@@ -160,6 +160,11 @@ class Choice:
         self.entries.extend(out.logprobs or [])
         self.finish = out.finish_reason
 
+    def echo_scored(self) -> tuple[list, list[int], list[int]]:
+        """The echoed prompt's (scores, token ids, offsets); scores all None until they arrive."""
+        _, ids, offsets = self.echo
+        return self.prompt_entries or [None] * len(ids), ids, offsets
+
     @property
     def mean_logprob(self) -> float:
         """Per generated token: how best_of ranks its samples (OpenAI's 'log probability per token')."""
@@ -212,8 +217,7 @@ class Answer:
         if self.chat:
             return self.scores.chat(entries)
         if with_echo and c.echo is not None:
-            _, p_ids, p_offsets = c.echo
-            p_entries = c.prompt_entries or [None] * len(p_ids)
+            p_entries, p_ids, p_offsets = c.echo_scored()
             entries, ids, offsets = [*p_entries, *entries], [*p_ids, *ids], [*p_offsets, *offsets]
         return self.scores.completion(entries, ids, offsets)
 
@@ -253,8 +257,7 @@ class Answer:
         c.echo_sent = True
         logprobs = None
         if self.scores is not None:
-            _, p_ids, p_offsets = c.echo
-            logprobs = self.scores.completion(c.prompt_entries or [None] * len(p_ids), p_ids, p_offsets)
+            logprobs = self.scores.completion(*c.echo_scored())
         choice = {"index": k, "text": c.echo[0], "finish_reason": None, "logprobs": logprobs}
         return self._event([choice], **({"usage": None} if include_usage else {}))
 

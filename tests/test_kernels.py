@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.course import tiny_config
 from nanoserve.kernels import native, native_status
 from nanoserve.model import LlamaConfig
 
@@ -69,18 +70,7 @@ def test_asking_for_native_where_it_cannot_build_is_a_sentence(monkeypatch):
 
     monkeypatch.setattr(kernels, "_status", "unavailable (no compiler)")
     monkeypatch.setattr(kernels, "_ext", None)
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-    )
+    cfg = tiny_config()
     with pytest.raises(ValueError, match="native attention kernel is unavailable"):
         BatchedPagedKVCache(cfg, 16, attention="native")
     assert BatchedPagedKVCache(cfg, 16, attention="auto").attention == "gather"
