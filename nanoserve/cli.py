@@ -157,6 +157,14 @@ def build_parser() -> Parser:
         "(default: auto)",
     )
     p.add_argument(
+        "--linear",
+        choices=["auto", "packed", "plain"],
+        default="auto",
+        help="how the linears read their weights on CPU: packed (reordered once at load for "
+        "oneDNN's GEMM), plain (torch's matmul on the weights as loaded), auto (packed where "
+        "oneDNN can pack the dtype on this CPU) (default: auto)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=512,
@@ -334,6 +342,7 @@ def cmd_serve(args) -> None:
             watermark=args.watermark,
             schedule=args.schedule,
             attention=args.attention,
+            linear=args.linear,
             max_num_batched_tokens=args.max_num_batched_tokens,
             warm_max_rows=args.warm_max_rows,
             warm_max_width=args.warm_max_width

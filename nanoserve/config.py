@@ -26,6 +26,10 @@ class EngineConfig:
     # how decode rows read the KV pools: "native" (the C++ kernel, in place), "gather" (a padded
     # copy per row and SDPA, days 18-24), "auto" (native on a CPU where it builds)
     attention: str = "auto"
+    # how the linears read their weights on CPU: "packed" (reordered once for oneDNN's GEMM at
+    # load, model.pack_linears), "plain" (torch's matmul on the weights as loaded, days 3-12),
+    # "auto" (packed where oneDNN can pack this dtype on this CPU, else plain)
+    linear: str = "auto"
     # admission keeps a block free for each running sequence's next token plus this share of the
     # pool (scheduler.py); None admits into the last free blocks (the earlier policy). 5%, not
     # vLLM's 1%: 1% of a CPU pool of ~100 blocks rounds to nothing (bench admission measures it)
@@ -61,6 +65,8 @@ class EngineConfig:
             )
         if self.attention not in ("auto", "native", "gather"):
             raise ValueError(f"attention must be auto, native or gather, got {self.attention!r}")
+        if self.linear not in ("auto", "packed", "plain"):
+            raise ValueError(f"linear must be auto, packed or plain, got {self.linear!r}")
         if self.schedule not in ("budget", "prefill-first"):
             raise ValueError(f"schedule must be budget or prefill-first, got {self.schedule!r}")
         if self.watermark is not None and not 0 <= self.watermark < 1:

@@ -124,6 +124,8 @@ class Engine:
             )
             if config.persist_inputs:
                 inputs = PersistentInputs(config.max_batch, sink, device=model.device)
+        # last of the checks that can refuse the config: a refused engine leaves the model as it was
+        self.linear = self._pack(model, config)
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -142,6 +144,22 @@ class Engine:
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
         self.warm_report = None  # a WarmupReport once warm_decode has run
         self.model_name = "model"  # what the server calls it; build_engine uses the directory's name
+
+    @staticmethod
+    def _pack(model, config: EngineConfig) -> str:
+        """Pack the model's linears in place when config.linear asks (model.pack_linears);
+        returns what the engine runs: "packed" or "plain"."""
+        from nanoserve.model import pack_linears, packing_status
+
+        if model.head.is_mkldnn:
+            return "packed"
+        why = packing_status(model.dtype, model.device) if config.linear != "plain" else "asked"
+        if why is None:
+            pack_linears(model, rows=config.max_batch)
+            return "packed"
+        if config.linear == "packed":
+            raise ValueError(f"linear='packed' is not possible here: {why}")
+        return "plain"
 
     # --- requests --------------------------------------------------------------------------
 
@@ -449,6 +467,11 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
     engine = Engine(model, Tokenizer.from_dir(model_dir), config)
     engine.model_name = model_dir.name
     print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
+    print(
+        f"paths: linears {engine.linear}, decode attention {engine.cache.attention}, "
+        f"schedule {config.schedule}",
+        file=sys.stderr,
+    )
     if config.capture_decode and config.warm:
         on_phase("warming")
         max_rows, max_width, ceiling = engine.warm_trim()

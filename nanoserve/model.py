@@ -110,9 +110,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
       against ~140 for fp32. One row is bandwidth-bound, so bf16's halved bytes win there;
       from `BF16_UPCAST_ROWS` rows on, the weights are widened to fp32 for the product and the
       result rounded back to bf16, which is what a bf16 GEMM does inside anyway (fp32 sums).
+    * A weight `pack_linears` has reordered for oneDNN goes straight to oneDNN's GEMM, which
+      beats both of the above from a few rows up (the engine's default on CPU, phase 6).
     """
     if x.device.type != "cpu":
         return F.linear(x, w)
+    if w.is_mkldnn:  # prepacked by `pack_linears`
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     if w.dtype == torch.bfloat16 and x.shape[0] >= BF16_UPCAST_ROWS and not _CPU_HAS_BF16:
         return linear(x.float(), w.float()).to(torch.bfloat16)
     parts = torch.get_num_threads()
@@ -126,6 +130,57 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 BF16_UPCAST_ROWS = 4
 _CPU_HAS_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+LINEAR = ("auto", "packed", "plain")
+
+
+def packing_status(dtype: torch.dtype, device) -> str | None:
+    """None when `pack_linears` can pack weights of this dtype on this device, else why not."""
+    kind = torch.device(device).type
+    if kind != "cpu":
+        return f"packed weights are oneDNN's CPU layout; on {kind} the linears stay plain"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn), which packed weights need"
+    if dtype == torch.bfloat16 and not _CPU_HAS_BF16:
+        return (
+            f"oneDNN packs bf16 weights only on a CPU with bf16 instructions (avx512_bf16, "
+            f"amx or avx_ne_convert); this one is {torch.backends.cpu.get_cpu_capability()}"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"packed weights are fp32 or bf16, not {dtype}"
+    return None
+
+
+def pack_linears(model: Llama, rows: int = 16) -> int:
+    """Reorder every block's four matrices and the head into oneDNN's blocked layout, once.
+
+    `linear` then runs each through oneDNN with the weight already in the order its GEMM reads
+    it, instead of re-laying tiles out on every call. Measured on 2 AVX2 cores over
+    SmolLM2-135M's 30 blocks and head with the weights cold in cache, as a decode step finds
+    them: 95 -> 82 ms at 16 rows, 233 -> 174 ms at 64; the head alone at 16 rows 27 -> 14 ms.
+    `rows` is the row count the layout is tuned for (the engine passes max_batch); any count
+    runs. The sums come in another order, so results differ from the plain path by float
+    rounding (~1e-4 on logits), not more.
+
+    In place and one way: afterwards the matrices are opaque oneDNN tensors (`is_mkldnn`),
+    which only `linear` reads; the embedding stays a plain tensor, so a tied head gets a packed
+    copy of its own (the one extra: vocab x hidden). Returns the count of matrices packed
+    (0 if already packed)."""
+    why = packing_status(model.dtype, model.device)
+    if why is not None:
+        raise ValueError(why)
+    if model.head.is_mkldnn:
+        return 0
+    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)  # noqa: E731
+    for b in model.blocks:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(b, name)
+            delattr(b, name)  # a Parameter: replaced by a plain (opaque) tensor attribute
+            setattr(b, name, pack(w))
+    head = model.head
+    if "head" in model._parameters:
+        delattr(model, "head")
+    model.head = pack(head)
+    return 4 * len(model.blocks) + 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

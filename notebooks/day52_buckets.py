@@ -126,7 +126,7 @@ assert len(row_buckets(256)) * len(width_buckets(8192, 128)) == 576
 # %%
 per_token = model.cfg.kv_bytes_per_token(torch.float32)
 config = EngineConfig(
-    schedule="prefill-first", attention="gather",  # the engine as built through day 56
+    schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
     max_batch=8, max_model_len=256, kv_budget=per_token * 16 * 32, width_multiple=32, bucket_decode=True
 )
 eng = Engine(model, tok, config)

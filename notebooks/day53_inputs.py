@@ -119,7 +119,7 @@ per_token = model.cfg.kv_bytes_per_token(torch.float32)
 engines, logs, completions = {}, {}, {}
 for mode, switches in addresses.MODES.items():
     config = EngineConfig(
-        schedule="prefill-first", attention="gather",  # the engine as built through day 56
+        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
         max_batch=8, max_model_len=256, kv_budget=per_token * 16 * 32, width_multiple=32, **switches
     )
     engines[mode] = Engine(model, tok, config)

@@ -106,7 +106,7 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def smol_engine(**switches) -> Engine:
     cfg = EngineConfig(
-        schedule="prefill-first", attention="gather",  # the engine as built through day 56
+        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
         max_batch=4, max_model_len=256, kv_budget="32MiB", width_multiple=WIDTH_MULTIPLE, **switches
     )
     return Engine(model, tok, cfg)

@@ -91,7 +91,7 @@ print(f"SmolLM2-135M-Instruct, fp32, loaded in {time.perf_counter() - t0:.1f} s"
 
 def smol_engine(**switches) -> Engine:
     cfg = EngineConfig(
-        schedule="prefill-first", attention="gather",  # the engine as built through day 56
+        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
         max_batch=4, max_model_len=128, kv_budget="32MiB", width_multiple=32, **switches,
     )
     return Engine(model, tok, cfg)
@@ -355,7 +355,7 @@ def tiny_engine() -> Engine:
     """2 rows, 48 tokens, width multiple 16, capture on: the tiny model's engine."""
     per_block = tiny.cfg.kv_bytes_per_token(torch.float32) * 16
     cfg = EngineConfig(
-        schedule="prefill-first", attention="gather",  # the engine as built through day 56
+        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
         max_batch=2,
         max_model_len=48,
         kv_budget=per_block * 8,

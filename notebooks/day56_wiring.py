@@ -96,7 +96,7 @@ print("threads:", torch.get_num_threads())
 # %%
 phases = []
 config = EngineConfig(
-    schedule="prefill-first", attention="gather",  # the engine as built through day 56
+    schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
     model=str(MODEL_DIR),
     max_batch=4,
     max_model_len=1024,

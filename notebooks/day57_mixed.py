@@ -79,6 +79,7 @@ def tiny_engine(schedule: str, budget: int = 16, max_batch: int = 8) -> Engine:
         block_size=BLOCK,
         kv_budget=PER_BLOCK * 256,
         max_num_batched_tokens=budget,
+        linear="plain",  # the linears as they were on day 57 (day 59 packs them)
     )
     return Engine(tiny, None, cfg)
 

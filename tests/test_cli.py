@@ -27,7 +27,7 @@ def assert_one_line_error(r, *words):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr
     # informational lines (the KV pool plan) may precede it; the error itself is one line
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("KV pool:")]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith(("KV pool:", "paths:"))]
     assert len(lines) == 1, r.stderr
     for w in words:
         assert w in lines[0], lines[0]

@@ -18,6 +18,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
+from nanoserve.model import packing_status
 from nanoserve.sampling import SamplingParams
 from tests.test_model import make_tiny_dir, ours_from_dir
 
@@ -317,8 +318,10 @@ def test_batch_invariance_smollm(smollm_dir):
         text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))
         reqs.append((tok.encode_chat([{"role": "user", "content": text}]), 12))
     engine = lambda: Engine(model, tok, EngineConfig(max_batch=32))  # noqa: E731
-    eager = [greedy_tokens(model, p, n) for p, n in reqs]
-    together = run_all(engine(), reqs)
+    eager = [greedy_tokens(model, p, n) for p, n in reqs]  # before any engine packs the model
+    first = engine()
+    assert first.linear == ("packed" if packing_status(torch.float32, "cpu") is None else "plain")
+    together = run_all(first, reqs)
     staggered = run_all(engine(), reqs, stagger=2)
     alone = [run_all(engine(), [r])[0] for r in reqs[:8]]
     ties = []

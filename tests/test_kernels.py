@@ -1,5 +1,7 @@
 """The native decode-attention kernel against the gather path it replaces (kernels.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -39,12 +41,14 @@ def pools(dtype, slots=300, heads=9, kv=3, hd=64, seed=0):
 
 
 @needs_native
+@pytest.mark.parametrize("hd", [64, 16])  # 64: the AVX2 path on a CPU that has it; 16: the portable one
+@pytest.mark.parametrize("spread", [1.0, 30.0])  # 30: peaked softmax, scores far below their max
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_decode_attention_equals_the_gather_path(dtype, tol):
-    cfg, caches, g = pools(dtype)
-    lens = torch.tensor([1, 17, 0, 130, 64, 5])  # a 0: a padded row of a bucket
+def test_native_decode_attention_equals_the_gather_path(dtype, tol, spread, hd):
+    cfg, caches, g = pools(dtype, hd=hd)
+    lens = torch.tensor([1, 17, 0, 130, 64, 5])  # a 0: a padded row of a bucket; 17, 130, 5: not x8
     window = torch.stack([torch.randperm(300, generator=g)[:160] for _ in lens])
-    q = torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=g).to(dtype)
+    q = (spread * torch.randn(len(lens), cfg.num_heads, cfg.head_dim, generator=g)).to(dtype)
     ref = caches["gather"]._one_query_rows(0, q, window, lens)
     got = caches["native"]._one_query_rows(0, q, window, lens)
     assert got.dtype == dtype and got.shape == ref.shape
@@ -85,3 +89,12 @@ def test_a_window_outside_the_pools_is_an_error_not_a_stray_read():
     with pytest.raises(RuntimeError, match="outside the pools"):
         caches["native"]._one_query_rows(0, q, window, torch.tensor([8, 8]))
     caches["native"]._one_query_rows(0, q, window, torch.tensor([8, 3]))  # slot 3 of row 1 is unread
+
+
+@needs_native
+def test_the_kernel_is_built_for_the_instructions_this_cpu_has():
+    """-march=native: on a CPU with AVX2 and FMA the fp32 head_dim-64 path is the vector one."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    want = "avx2" if {"avx2", "fma"} <= set(flags) else "portable"
+    assert native().isa() == want

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from nanoserve.contiguous import ContiguousKVCache, NoCache
 from nanoserve.errors import NanoserveError
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import Llama, LlamaConfig, load_model, rope_inv_freq
+from nanoserve.model import Llama, LlamaConfig, load_model, pack_linears, packing_status, rope_inv_freq
 
 TINY = dict(
     vocab_size=256,
@@ -214,3 +214,82 @@ def test_smollm_greedy_64_tokens_match_transformers(real):
             )[0, len(ids) :].tolist()
         got = greedy_tokens(ours, ids, 64, eos_ids=tok.eos_ids)
         assert got == ref, f"{prompt!r}: ours {tok.decode(got)!r} vs transformers {tok.decode(ref)!r}"
+
+
+# --- packed linears (model.pack_linears, phase 6) ------------------------------------------------
+
+needs_packing = pytest.mark.skipif(
+    packing_status(torch.float32, "cpu") is not None, reason=f"{packing_status(torch.float32, 'cpu')}"
+)
+
+
+def packed_copy(path, **kw):
+    m = ours_from_dir(path)
+    pack_linears(m, **kw)
+    return m
+
+
+@needs_packing
+def test_packed_linears_give_the_plain_logits_up_to_rounding(tiny, tmp_path):
+    hf, plain, path = tiny
+    packed = packed_copy(path)
+    assert packed.blocks[0].qkv.is_mkldnn and packed.head.is_mkldnn and not packed.embed.is_mkldnn
+    assert pack_linears(packed) == 0, "packing twice is a no-op"
+    ids = torch.randint(0, TINY["vocab_size"], (50,), generator=torch.Generator().manual_seed(3)).tolist()
+    for rows in (ids, ids[:1]):  # a prefill and a one-token step
+        assert (prefill_logits(packed, rows) - prefill_logits(plain, rows)).abs().max().item() < 1e-4
+    # a tied head: the embedding stays a plain tensor for the lookup, the head a packed copy
+    make_tiny_dir(tmp_path, tie_word_embeddings=True)
+    tied, tied_packed = ours_from_dir(tmp_path), packed_copy(tmp_path)
+    assert tied_packed.head is not tied_packed.embed and torch.equal(tied_packed.embed, tied.embed)
+    assert (prefill_logits(tied_packed, ids) - prefill_logits(tied, ids)).abs().max().item() < 1e-4
+
+
+@needs_packing
+def test_the_packing_check_fails_on_a_weight_packed_wrongly(tiny):
+    """The comparison above, shown failing: gate and up swapped before packing (a loader that
+    packs the halves in the wrong order) changes the logits far beyond rounding."""
+    _, plain, path = tiny
+    wrong = ours_from_dir(path)
+    b = wrong.blocks[0]
+    half = b.gate_up.shape[0] // 2
+    b.gate_up.copy_(torch.cat([b.gate_up[half:], b.gate_up[:half]]))
+    pack_linears(wrong)
+    ids = list(range(1, 30))
+    assert (prefill_logits(wrong, ids) - prefill_logits(plain, ids)).abs().max().item() > 1e-2
+
+
+def test_packing_is_refused_with_a_sentence_where_it_cannot_be_done(tiny):
+    _, _, path = tiny
+    bf16 = ours_from_dir(path, dtype=torch.bfloat16)
+    why = packing_status(torch.bfloat16, "cpu")
+    if why is None:  # a CPU with bf16 instructions packs bf16 too
+        assert pack_linears(bf16) > 0
+    else:
+        assert "bf16" in why
+        with pytest.raises(ValueError, match="bf16"):
+            pack_linears(bf16)
+        assert not bf16.head.is_mkldnn, "a refused packing leaves the model as it was"
+    assert "cuda" in packing_status(torch.float32, "cuda")
+
+
+def test_the_engine_packs_as_config_linear_says(tiny):
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
+
+    _, _, path = tiny
+    small = dict(max_batch=2, max_model_len=64, kv_budget=2**20)
+    model = ours_from_dir(path)
+    with pytest.raises(ValueError, match="KV budget of 4,096 bytes"):
+        Engine(model, None, EngineConfig(**{**small, "kv_budget": 4096}))
+    assert not model.head.is_mkldnn, "an engine refused for its config leaves the model as it was"
+    plain = Engine(ours_from_dir(path), None, EngineConfig(**small, linear="plain"))
+    assert plain.linear == "plain" and not plain.model.head.is_mkldnn
+    auto = Engine(ours_from_dir(path), None, EngineConfig(**small))
+    assert auto.linear == ("packed" if packing_status(torch.float32, "cpu") is None else "plain")
+    with pytest.raises(ValueError, match="linear must be auto, packed or plain"):
+        EngineConfig(linear="fast").validate()
+    if packing_status(torch.bfloat16, "cpu") is not None:
+        with pytest.raises(ValueError, match="linear='packed' is not possible here"):
+            bf16 = EngineConfig(**small, dtype="bfloat16", linear="packed")
+            Engine(ours_from_dir(path, torch.bfloat16), None, bf16)

@@ -211,7 +211,8 @@ def build_engine(model, batch: int, prompt_len: int = PROMPT_LEN, seed: int = 0)
     blocks = batch * (MAX_MODEL_LEN // block) + 1
     config = EngineConfig(
         schedule="prefill-first",
-        attention="gather",  # the engine as built through day 56
+        attention="gather",
+        linear="plain",  # the engine as built through day 56
         max_batch=batch,
         max_model_len=MAX_MODEL_LEN,
         block_size=block,

@@ -135,7 +135,8 @@ def tiny_engine(bucketed: bool = True, seed: int = 0) -> Engine:
     per_block = TINY.kv_bytes_per_token(torch.float32) * 4
     cfg = EngineConfig(
         schedule="prefill-first",
-        attention="gather",  # the engine as built through day 56
+        attention="gather",
+        linear="plain",  # the engine as built through day 56
         max_batch=4,
         block_size=4,
         max_model_len=64,

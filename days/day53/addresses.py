@@ -59,7 +59,8 @@ def engine(model, mode: str, max_batch: int = 4, max_model_len: int = 256, **kw)
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 16
     config = EngineConfig(
         schedule="prefill-first",
-        attention="gather",  # the engine as built through day 56
+        attention="gather",
+        linear="plain",  # the engine as built through day 56
         max_batch=max_batch,
         max_model_len=max_model_len,
         kv_budget=per_block * (max_batch * max_model_len // 16 + 1),

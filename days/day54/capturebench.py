@@ -41,7 +41,8 @@ def make_engine(model, capture: bool, rows: int, max_model_len: int, width_multi
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 16
     config = EngineConfig(
         schedule="prefill-first",
-        attention="gather",  # the engine as built through day 56
+        attention="gather",
+        linear="plain",  # the engine as built through day 56
         max_batch=rows,
         max_model_len=max_model_len,
         kv_budget=per_block * (rows * max_model_len // 16 + rows + 1),

@@ -46,7 +46,8 @@ def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple
     per_block = TINY.kv_bytes_per_token(torch.float32) * 16
     config = EngineConfig(
         schedule="prefill-first",
-        attention="gather",  # the engine as built through day 56
+        attention="gather",
+        linear="plain",  # the engine as built through day 56
         max_batch=rows,
         max_model_len=max(64, prompt_len + generated),  # never fewer than two width buckets
         kv_budget=per_block * 64,

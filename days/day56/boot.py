@@ -46,7 +46,8 @@ def boot_row(model_dir, max_batch: int, warm_width: int | None, tokens: int, max
     """Build (and warm, unless warm_width is None), then run one request; one table row."""
     config = EngineConfig(
         schedule="prefill-first",
-        attention="gather",  # the engine as built through day 56
+        attention="gather",
+        linear="plain",  # the engine as built through day 56
         model=str(model_dir) if model_dir else None,
         max_batch=max_batch,
         max_model_len=max_model_len,

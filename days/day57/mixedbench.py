@@ -147,6 +147,7 @@ def engine_for(model, tok, policy: str, budget: int, max_batch=8, max_model_len=
         max_model_len=max_model_len,
         kv_budget="96MiB",
         max_num_batched_tokens=budget,
+        linear="plain",  # the linears as they were on day 57 (day 59 packs them)
     )
     return Engine(model, tok, cfg)
 
