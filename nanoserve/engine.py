@@ -148,7 +148,9 @@ class Engine:
     @staticmethod
     def _pack(model, config: EngineConfig) -> str:
         """Pack the model's linears in place when config.linear asks (model.pack_linears);
-        returns what the engine runs: "packed" or "plain"."""
+        returns what the engine runs: "packed" or "plain". Packing cannot be undone: a model an
+        earlier engine packed stays packed whatever config.linear says (load a fresh model for
+        a plain reference, as days 48-58 do)."""
         from nanoserve.model import pack_linears, packing_status
 
         if model.head.is_mkldnn:
