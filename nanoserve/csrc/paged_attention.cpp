@@ -54,6 +54,21 @@ inline float softmax_exp(float x) {
   return p * scale;
 }
 
+// One head's scores, in place: exp(s - max(s)) each; returns their sum (softmax's denominator).
+inline float exp_in_place(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+  float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = softmax_exp(s[i] - mx);
+    s[i] = e;
+    t += e;
+  }
+  return t;
+}
+
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& window, const torch::Tensor& context_lens,
@@ -95,20 +110,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
           scores[h * n + j] = s;
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores.data() + h * n;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < n; ++j) mx = sh[j] > mx ? sh[j] : mx;
-        float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = softmax_exp(sh[j] - mx);
-          sh[j] = e;
-          t += e;
-        }
-        total[h] = t;
-      }
+      for (int64_t h = 0; h < group; ++h) total[h] = exp_in_place(scores.data() + h * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         const T* vrow = vp + slots[j] * k_row + g * k_head;
@@ -208,17 +210,7 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k, const to
       }
       for (int64_t h = 0; h < group; ++h) {
         float* sh = scores.data() + h * n;
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < n; ++i) mx = sh[i] > mx ? sh[i] : mx;
-        float t = 0.0f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t i = 0; i < n; ++i) {
-          const float e = softmax_exp(sh[i] - mx);
-          sh[i] = e;
-          t += e;
-        }
-        const float inv = 1.0f / t;
+        const float inv = 1.0f / exp_in_place(sh, n);
         __m256 acc[NV];
         for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
         for (int64_t i = 0; i < n; ++i) {
