@@ -142,11 +142,12 @@ def build_parser() -> Parser:
     )
     p.add_argument(
         "--schedule",
-        choices=["budget", "prefill-first"],
+        choices=["budget", "prefill-first", "static"],
         default="budget",
         help="budget: decode rows and prompt chunks share one token budget a step, so a new prompt "
         "slows the running streams instead of stopping them; prefill-first: a step is all prefill "
-        "or all decode, prompts first (the earlier policy) (default: budget)",
+        "or all decode, prompts first (the earlier policy); static: a new batch only when the last has "
+        "finished, nobody joins in between (the first policy) (default: budget)",
     )
     p.add_argument(
         "--attention",

@@ -21,7 +21,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
     enable_prefix_caching: bool = True
     # "budget": decode rows and prompt chunks share one token budget a step (vLLM's default);
-    # "prefill-first": a step is all prefill or all decode, prompts first (the earlier policy)
+    # "prefill-first": a step is all prefill or all decode, prompts first (the earlier policy);
+    # "static": a new batch only when the last has finished, nobody joins (the first policy)
     schedule: str = "budget"
     # how decode rows read the KV pools: "native" (the C++ kernel, in place), "gather" (a padded
     # copy per row and SDPA, days 18-24), "auto" (native on a CPU where it builds)
@@ -67,8 +68,8 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, native or gather, got {self.attention!r}")
         if self.linear not in ("auto", "packed", "plain"):
             raise ValueError(f"linear must be auto, packed or plain, got {self.linear!r}")
-        if self.schedule not in ("budget", "prefill-first"):
-            raise ValueError(f"schedule must be budget or prefill-first, got {self.schedule!r}")
+        if self.schedule not in ("budget", "prefill-first", "static"):
+            raise ValueError(f"schedule must be budget, prefill-first or static, got {self.schedule!r}")
         if self.watermark is not None and not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.width_multiple < 1:

@@ -11,6 +11,11 @@ running set. Two policies choose a step (`policy`):
   prompt costs the running streams a slower step rather than a missing one.
 * "prefill-first" (the earlier policy, kept as a named variant): a step is all prefill or all
   decode, and any prompt work due goes first.
+* "static" (the first policy of all, days 22 and 27): a batch is admitted only when nothing is
+  running, as many waiting requests as rows and blocks allow, and it runs until its last member
+  finishes; nobody joins in between. A finished member leaves (its row simply idles, no padding
+  is computed), so what this costs is the rows left empty while the longest member runs on.
+  Its prompts are prefilled in budget-sized chunks before any of them decodes.
 
 Both are built from the same two passes:
 
@@ -117,7 +122,7 @@ class Batch:
 
 
 class Scheduler:
-    POLICIES = ("budget", "prefill-first")
+    POLICIES = ("budget", "prefill-first", "static")
 
     def __init__(
         self,
@@ -156,6 +161,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         if self.policy == "budget":
             return self._schedule_budget()
+        if self.policy == "static":
+            return self._schedule_static()
         batch = self._schedule_prefill()
         if batch.chunks:
             return batch
@@ -170,6 +177,25 @@ class Scheduler:
         # a step that had to preempt admits nothing new: the pool is short already
         admit = self.num_preemptions == preemptions
         return self._schedule_prefill(self.max_num_batched_tokens - len(batch.decode), batch, admit)
+
+    def _schedule_static(self) -> Batch:
+        """Admit a whole batch when the last one has left; then its prompts, then its decodes."""
+        if not self.running:
+            while self.waiting and len(self.running) < self.max_batch:
+                seq = self.waiting[0]
+                if not self.can_admit(seq):
+                    break
+                try:
+                    cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids, seq.reuse_prefix)
+                except NoFreeBlocks:
+                    break
+                self.waiting.popleft()
+                self.running.append(seq)
+                seq.num_computed = cached
+        batch = self._schedule_prefill(admit=False)
+        if batch.chunks:
+            return batch
+        return self._schedule_decode()
 
     def _schedule_prefill(
         self, budget: int | None = None, batch: Batch | None = None, admit: bool = True

@@ -135,14 +135,15 @@ def test_preemption_finishes_everything_with_the_same_tokens(tiny_model):
 
 
 @pytest.mark.parametrize(
-    "policy, attention", [("budget", "auto"), ("budget", "gather"), ("prefill-first", "auto")]
+    "policy, attention",
+    [("budget", "auto"), ("budget", "gather"), ("prefill-first", "auto"), ("static", "auto")],
 )
 def test_both_policies_give_the_eager_tokens_with_chunks_arrivals_and_preemption(
     tiny_model, policy, attention
 ):
     """Staggered arrivals, prompts longer than a step's budget and a pool too small for the
     load: under the budget policy steps mix decode rows with prompt chunks (counted), under
-    prefill-first none do; both give the eager path's tokens (near-ties excused)."""
+    prefill-first and static none do; all give the eager path's tokens (near-ties excused)."""
     reqs = random_requests(16, tiny_model.cfg.vocab_size, seed=9, min_len=10, max_len=70, max_tokens=(10, 40))
     eager = [greedy_tokens(tiny_model, p, n) for p, n in reqs]
     per_block = tiny_model.cfg.kv_bytes_per_token(torch.float32) * 4
@@ -165,6 +166,46 @@ def test_both_policies_give_the_eager_tokens_with_chunks_arrivals_and_preemption
     for (prompt, _), ref, g in zip(reqs, eager, got):
         check_same_or_near_tie(tiny_model, prompt, ref, g, ties)
     print(f"{policy}: steps {kinds}, preemptions {engine.scheduler.num_preemptions}, near-ties {len(ties)}")
+
+
+def static_admissions(engine, reqs) -> list[tuple[int, int]]:
+    """Run reqs (all queued at once) and return, for every step that admitted anyone, (how many
+    were running before it, how many it admitted)."""
+    sched = engine.scheduler
+    for prompt, n in reqs:
+        engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    events = []
+    while engine.has_unfinished():
+        before = set(sched.running)
+        engine.step()
+        joined = [s for s in sched.running if s not in before]
+        if joined:
+            events.append((len(before), len(joined)))
+    return events
+
+
+def test_static_batches_admit_only_into_an_empty_engine(tiny_model):
+    """Static batching: a batch forms only when the last one has left, filled to max_batch at
+    once; the continuous policies admit while others run. Shown failing on a scheduler that
+    admits as prefill-first does, under the static name."""
+    from nanoserve.scheduler import Scheduler
+
+    reqs = random_requests(12, tiny_model.cfg.vocab_size, seed=4, min_len=5, max_len=20, max_tokens=(2, 30))
+    events = static_admissions(tiny_engine(tiny_model, schedule="static", max_batch=4), reqs)
+    assert events and all(before == 0 for before, _ in events), events
+    assert [n for _, n in events] == [4, 4, 4], events  # three full batches, none topped up
+    cont = static_admissions(tiny_engine(tiny_model, schedule="budget", max_batch=4), reqs)
+    assert any(before > 0 for before, _ in cont), cont
+
+    class Leaky(Scheduler):  # wrongly built: the static name, continuous admission
+        def _schedule_static(self):
+            batch = self._schedule_prefill()
+            return batch if batch.chunks else self._schedule_decode()
+
+    engine = tiny_engine(tiny_model, schedule="static", max_batch=4)
+    engine.scheduler.__class__ = Leaky
+    leaky = static_admissions(engine, reqs)
+    assert any(before > 0 for before, _ in leaky), "the check could not tell the leaky static apart"
 
 
 def test_a_mixed_step_does_not_stop_the_running_streams(tiny_model):
@@ -209,7 +250,7 @@ def test_prefix_sharing_reuses_three_blocks(tiny_model):
     assert outs == unshared
 
 
-@pytest.mark.parametrize("policy", ["budget", "prefill-first"])
+@pytest.mark.parametrize("policy", ["budget", "prefill-first", "static"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_invariants_hold_over_random_arrivals_and_aborts(tiny_model, policy, data):
