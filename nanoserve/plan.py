@@ -173,6 +173,11 @@ def check_window_intact(plan: StepPlan) -> None:
     """Each real row's window holds its sequence's slots for every position it attends to."""
     ctx = plan.context_lens.tolist()
     for r, seq in enumerate(plan.rows):
+        if ctx[r] > seq.block_table.capacity:
+            raise GateError(
+                f"row {r} attends over {ctx[r]} positions, but its block table holds only "
+                f"{seq.block_table.capacity} slots"
+            )
         want = seq.block_table.slots(0, ctx[r])
         got = plan.slot_window[r, : ctx[r]].tolist()
         if got != want:
@@ -184,7 +189,9 @@ def check_window_intact(plan: StepPlan) -> None:
 
 def check_plan_addressing(plan: StepPlan) -> None:
     """Each real row writes its new K/V where its window says its position lives, and attends
-    over exactly the positions up to and including it."""
+    over exactly the positions up to and including it. For decode plans (one new token a row, the
+    steps the fixed-address paths run): a prefill row's chunk has many positions, and this gate
+    reads only one."""
     pos, ctx, writes = plan.positions.tolist(), plan.context_lens.tolist(), plan.write_slots.tolist()
     for r in range(len(plan.rows)):
         if ctx[r] != pos[r] + 1:

@@ -79,6 +79,14 @@ def test_window_intact_fails_on_a_stale_entry(running):
         check_window_intact(plan)
 
 
+def test_window_intact_names_a_row_longer_than_its_table(running):
+    _, plan = running
+    seq = plan.rows[0]
+    plan.context_lens[0] = seq.block_table.capacity + 1
+    with pytest.raises(GateError, match="row 0 attends over .* its block table holds only"):
+        check_window_intact(plan)
+
+
 def test_plan_addressing_fails_on_a_wrong_write_slot(running):
     _, plan = running
     plan.write_slots[2] += 1
