@@ -142,7 +142,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.recomputed_tokens = 0  # K/V thrown away by preemption, to be computed again
+        # K/V thrown away by preemption: an upper bound on what is computed again, since with
+        # prefix caching a readmitted sequence may find its own full blocks still cached (day 29)
+        self.recomputed_tokens = 0
         self._arrivals = itertools.count()
         self.on_leave = lambda seq: None  # told when a sequence leaves the running set
 

@@ -1,0 +1,455 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Day 25 — The step plan
+#
+# Days 23 and 24 ran two kinds of step through one forward: a packed row of prompt tokens, and
+# one token for each of many rows. Both times the model was told the same things in the same
+# form, a `StepPlan`: the flat tokens and their positions, where each token's K/V goes, and for
+# each row which slots it reads, how many of them, and which token's logits to keep. Today is
+# about that object on its own. The scheduler decides which sequences get how many tokens;
+# `plan.py` turns the decision and the block tables into tensors; the cache and the model read
+# nothing else. Whatever goes wrong in addressing goes wrong in the plan, which is why it is the
+# place to check it.
+#
+# 1. a real engine's steps on SmolLM2, a prefill step, a decode step and a mixed step, each
+#    plan printed whole,
+# 2. every plan built by hand from the batch and the block tables first, and asserted equal to
+#    the engine's, step after step,
+# 3. the addressing gates (`plan.py`'s `check_window_intact`, `check_plan_addressing`) on
+#    those plans, and a check of our own for prompt rows, which the package's gate does not
+#    cover,
+# 4. the gates refusing plans built wrong: a slot outside its table, a write to another row's
+#    slot, positions out of order,
+# 5. what a plan holds per kind of step, over a longer workload (`days/day25/planbench.py`),
+# 6. the diagram.
+
+# %%
+import csv
+import dataclasses
+import sys
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from IPython.display import Image, display
+
+from nanoserve.config import EngineConfig
+from nanoserve.course import REPO, diagram_path
+from nanoserve.engine import Engine
+from nanoserve.errors import GateError
+from nanoserve.model import load_model
+from nanoserve.plan import PrefillPlan, StepPlan, check_plan_addressing, check_window_intact
+from nanoserve.sampling import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights import fetch_default_model
+
+sys.path.insert(0, str(REPO / "days" / "day25"))
+import planbench  # the day's script: its per-kind sizes, and the table it wrote
+
+torch.set_num_threads(1)
+MODEL_DIR = fetch_default_model()
+model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
+BS, BUDGET = 4, 12  # small blocks and a small step budget: every kind of step within 5 steps
+per_block = model.cfg.kv_bytes_per_token(model.dtype) * BS
+config = EngineConfig(block_size=BS, max_num_batched_tokens=BUDGET, max_batch=4, max_model_len=128,
+                      kv_budget=64 * per_block)  # fmt: skip
+eng = Engine(model, tok, config)
+ARRIVALS = {0: ["Rain falls from the sky when", "The moon is"],
+            2: ["A recipe for bread needs flour, water, salt and yeast"]}  # fmt: skip
+for step, texts in ARRIVALS.items():
+    for t in texts:
+        print(f"step {step}: {len(tok.encode(t)):>2} tokens  {t!r}")
+print(f"blocks of {BS} tokens, a step budget of {BUDGET} tokens, schedule {config.schedule!r}")
+
+# %% [markdown]
+# ## 1. and 2. Every plan, built by hand first
+#
+# The hand-built plan starts from what the scheduler hands the runner, a `Batch`: decode rows
+# (a sequence whose prompt is in the cache, one token: its newest) and prompt chunks (a
+# sequence and a range of its positions). `Batch.as_chunks` writes both as chunks, decode rows
+# first, a decode row being the chunk `[len - 1, len)`. From each chunk and the sequence's
+# block table:
+#
+# * its tokens, and their positions `start .. end - 1`, go on the end of the flat row;
+# * position `p` lives in slot `blocks[p // block_size] * block_size + p % block_size`, where
+#   its K/V is written;
+# * the row attends over `end` positions, and reads them through a window of slots for
+#   positions `0 .. W - 1`, W being the most blocks any row has times the block size, a short
+#   table padded with block 0;
+# * the row's logits are taken at its last token, the end of its span in the flat row.
+
+
+# %%
+def plan_by_hand(batch, bs):
+    """The step's addressing from the batch and the block tables, as plain lists."""
+    chunks = batch.as_chunks()
+    ids, pos, slots, spans = [], [], [], []
+    for seq, start, end in chunks:
+        blocks = seq.block_table.blocks
+        n0 = len(ids)
+        ids += seq.token_ids[start:end]
+        pos += range(start, end)
+        slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+        spans.append((n0, len(ids), end))
+    width = max(len(s.block_table.blocks) for s, _, _ in chunks) * bs
+    window = []
+    for seq, _, _ in chunks:
+        blocks = seq.block_table.blocks + [0] * (width // bs - len(seq.block_table.blocks))
+        window.append([blocks[j // bs] * bs + j % bs for j in range(width)])
+    mine = {"input_ids": ids, "positions": pos, "write_slots": slots,
+            "context_lens": [e for _, _, e in spans], "slot_window": window,
+            "logits_at": [n1 - 1 for _, n1, _ in spans], "row_spans": spans}  # fmt: skip
+    if not batch.is_decode:  # a prefill or mixed plan says how many of its rows are decode rows
+        mine["num_decode"] = len(batch.decode)
+        mine["decode_width"] = max((len(s.token_ids) for s in batch.decode), default=0)
+    return mine
+
+
+def as_lists(plan, fields):
+    return {f: v.tolist() if isinstance(v := getattr(plan, f), torch.Tensor) else v for f in fields}
+
+
+seen = []  # (step, kind, batch summary, the engine's plan, gates run on it)
+build = eng.runner.plan
+
+
+def planned(batch):
+    """The runner's plan, after checking it against the hand-built one and running the gates."""
+    mine = plan_by_hand(batch, BS)
+    plan = build(batch)
+    theirs = as_lists(plan, mine)
+    assert theirs == mine, {f: (mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]}
+    check_window_intact(plan)  # every row's window is its block table's slots, up to its length
+    gates = ["check_window_intact"]
+    if plan.is_decode:  # one token per row: the rule check_plan_addressing states
+        check_plan_addressing(plan)
+        gates.append("check_plan_addressing")
+    chunks = [(s.request_id, a, b) for s, a, b in batch.chunks]
+    decode = [s.request_id for s in batch.decode]
+    seen.append((len(seen), planbench.kind_of(batch), decode, chunks, plan, gates))
+    return plan
+
+
+eng.runner.plan = planned
+for step in range(5):
+    for t in ARRIVALS.get(step, []):
+        eng.add_request(t, SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.step()
+for step, kind, decode, chunks, _, gates in seen:
+    print(f"step {step}: {kind:<8} decode rows {decode}, chunks {chunks}; equal to the hand-built plan; "
+          f"{', '.join(gates)} passed")  # fmt: skip
+print("step_kinds:", eng.step_kinds)
+assert [k for _, k, *_ in seen] == ["prefill", "decode", "mixed", "mixed", "decode"]
+
+# %% [markdown]
+# Five steps, five plans, each equal field by field to the one built from the batch and the
+# block tables in the cell above, and each passing the gates that apply to it. Step 0 packs
+# both prompts (Day 23), step 1 decodes both rows (Day 24), and the third request arrives
+# before step 2: the two decode rows take 2 tokens of the budget and its prompt gets the other
+# 10, so step 2 is mixed, and so is step 3, with the decode rows again and the prompt's last 2
+# tokens. Step 4 decodes all three. Here are the plans of steps 0, 2 and 4 in full:
+
+# %%
+FIELDS = ["input_ids", "positions", "write_slots", "context_lens", "logits_at", "row_spans"]
+
+
+def show(step):
+    _, kind, decode, chunks, plan, _ = seen[step]
+    print(f"--- step {step}, {kind}: {type(plan).__name__}, is_decode={plan.is_decode}, "
+          f"{plan.num_tokens} tokens, {len(plan.rows)} rows")  # fmt: skip
+    for f in FIELDS:
+        print(f"  {f:<13}", as_lists(plan, [f])[f])
+    if isinstance(plan, PrefillPlan):
+        print(f"  {'chunks':<13}", [(s.request_id, a, b) for s, a, b in plan.chunks])
+        print(f"  {'num_decode':<13}", plan.num_decode, "| decode_width", plan.decode_width)
+    print(f"  {'slot_window':<13}", tuple(plan.slot_window.shape))
+    for r, s in enumerate(plan.rows):
+        print(f"    row {r} ({s.request_id}): {plan.slot_window[r].tolist()}")
+
+
+for step in (0, 2, 4):
+    show(step)
+
+# %% [markdown]
+# What to read in them:
+#
+# * **The flat row.** `input_ids`, `positions` and `write_slots` have one entry per token the
+#   step computes (9, 12 and 3 here); everything else has one per row. A prefill row can have
+#   many tokens, a decode row has one, and a mixed plan has both: in step 2 the two decode rows
+#   come first, each a one-token span, then the new prompt's 10-token chunk.
+# * **Positions restart per row** and say where each token sits in its own sequence; in the
+#   decode rows they are each sequence's length minus one. `context_lens` is the end of each
+#   row's chunk: everything up to and including its last new token.
+# * **Slots** are block arithmetic. In step 4 req-2 (the bread prompt) writes its newest token,
+#   position 12, to slot 32: 12 // 4 = 3 picks its fourth block, block 8, and 12 % 4 = 0 its
+#   first slot, 8 x 4 + 0.
+# * **The window is the only 2-D tensor**, rows by W. W is set by the row with the most blocks,
+#   and shorter rows are padded with block 0's slots, which `context_lens` hides.
+# * **A mixed plan is a prefill plan** (`PrefillPlan`, with `chunks`, `num_decode` and
+#   `decode_width`) whose first `num_decode` rows are decode rows; the cache batches those rows
+#   the way a decode step does, over windows cut to `decode_width`. A pure decode plan is the
+#   base `StepPlan` with `is_decode` set, and nothing else: its fields are exactly what a
+#   captured decode graph binds (Day 50).
+#
+# ## 3. The gates, and what they cover
+#
+# `plan.py` holds three checks, written on Day 54 for captured decode steps.
+# `check_mapping_is_window` is about the slot table of the bucketed path (Day 51) and has no
+# table to check here. `check_window_intact` holds for every plan: each row's window agrees
+# with its block table at every position it attends to. `check_plan_addressing` says a row at
+# position p attends over p + 1 positions and writes where its window puts p; it reads one
+# position per row, `positions[r]`, which is the row's position only when every row has one
+# token. On a prefill plan it reads the wrong entries:
+
+# %%
+prefill_plan = seen[0][4]
+try:
+    check_plan_addressing(prefill_plan)
+    print("check_plan_addressing passed the prefill plan")
+except GateError as e:
+    print("check_plan_addressing on a correct prefill plan:", e)
+
+# %% [markdown]
+# So on prompt rows it cannot be used at all: the plan above is correct. The rule it states
+# does extend to ragged rows, though, span by span: a row whose span holds n tokens and whose
+# context is c has positions c - n to c - 1 in order, writes each where its window maps that
+# position, and samples at the end of its span. Written as a gate of our own, and checked to
+# pass on every plan the engine built:
+
+
+# %%
+def check_spans(plan: StepPlan) -> None:
+    """Each row's span holds consecutive positions ending at its context, each written where the
+    row's window maps it, and the row samples at its span's last token."""
+    pos, writes, ctx = plan.positions.tolist(), plan.write_slots.tolist(), plan.context_lens.tolist()
+    logits_at = plan.logits_at.tolist()
+    for r, (start, end, c) in enumerate(plan.row_spans):
+        if c != ctx[r]:
+            raise GateError(f"row {r}'s span ends its context at {c}, but context_lens says {ctx[r]}")
+        want = list(range(c - (end - start), c))
+        if pos[start:end] != want:
+            raise GateError(f"row {r} holds positions {pos[start:end]}, not {want[0]}..{want[-1]} in order")
+        for i, p in zip(range(start, end), want):
+            if writes[i] != plan.slot_window[r, p].item():
+                raise GateError(f"row {r} writes position {p} to slot {writes[i]}, its window says "
+                                f"{plan.slot_window[r, p].item()}")  # fmt: skip
+        if logits_at[r] != end - 1:
+            raise GateError(f"row {r} samples token {logits_at[r]}, not its last, {end - 1}")
+
+
+for *_, plan, _ in seen:
+    check_spans(plan)
+print(f"check_spans passed on all {len(seen)} plans")
+
+# %% [markdown]
+# ## 4. Plans built wrong
+#
+# Each planted plan is a copy of one the engine built, with one thing changed, and each gate
+# runs on it. Four mistakes: a window entry pointing outside the row's table, a decode row
+# writing into another row's slot, a prompt chunk with two positions swapped, and a decode row
+# one position off. The gates that apply to each kind of plan run on it, and each either
+# refuses it or passes it:
+
+
+# %%
+def planted(step, change):
+    plan = seen[step][4]
+    copy = dataclasses.replace(plan, **{f: getattr(plan, f).clone() for f in
+                                        ("input_ids", "positions", "write_slots", "context_lens",
+                                         "slot_window", "logits_at")})  # fmt: skip
+    change(copy)
+    return copy
+
+
+other = seen[4][4].write_slots[0].item()  # req-0's newest slot in step 4
+cases = {  # name: (step, change)
+    "window slot outside the table (decode, row 1)": (4, lambda p: p.slot_window[1, :1].fill_(200)),
+    "write into another row's slot (decode, row 2)": (4, lambda p: p.write_slots[2:3].fill_(other)),
+    "positions swapped (mixed, chunk)": (2, lambda p: p.positions[2:4].copy_(p.positions[[3, 2]])),
+    "position one off (decode, row 1)": (4, lambda p: p.positions[1:2].add_(1)),
+}  # fmt: skip
+gates = {"check_window_intact": check_window_intact, "check_plan_addressing": check_plan_addressing,
+         "check_spans": check_spans}  # fmt: skip
+verdicts = {}
+for name, (step, change) in cases.items():
+    bad = planted(step, change)
+    print(f"{name}:")
+    for gname, gate in gates.items():
+        if gname == "check_plan_addressing" and not bad.is_decode:
+            continue  # one position per row: not a rule for prompt rows (above)
+        try:
+            gate(bad)
+            verdicts[name, gname] = "passed"
+            print(f"  {gname}: passed")
+        except GateError as e:
+            verdicts[name, gname] = "refused"
+            print(f"  {gname}: refused, {e}")
+for step, *_ in seen:  # the engine's own plans are untouched by the planting
+    check_spans(seen[step][4])
+assert all(any(v == "refused" for (n, _), v in verdicts.items() if n == name) for name in cases)
+
+# %% [markdown]
+# Every planted plan is refused by at least one gate, and no gate catches everything.
+# `check_window_intact` looks only at windows: it names slot 200 in row 1, which no block of
+# row 1 holds, and passes the three plans whose windows are right. `check_plan_addressing`
+# catches the wrong write and the position one off, passes the bad window (it reads one window
+# entry per row, at the row's own position), and cannot look at the mixed plan. `check_spans`
+# catches what `check_plan_addressing` does, on any kind of plan, including the swapped
+# positions inside a prompt chunk, which no package gate looks at; it does not compare windows
+# with block tables, so it passes the bad window.
+#
+# The swapped positions are the case a forward would never notice. Nothing in the model checks
+# that positions are in order: the two tokens' keys are rotated for each other's positions and
+# written to each other's slots, the logits come out finite, and the next step reads K/V that
+# never belonged where it sits.
+#
+# ## 5. What a plan holds, by kind of step
+#
+# `planbench` runs 16 requests (prompts of 8 to 200 tokens, 8 to 48 new tokens, one arriving
+# every 3 steps) through an engine with 16-token blocks, 8 rows and a step budget of 64 tokens,
+# under the default policy and under prefill-first, and records every plan's sizes, gating
+# each as the notebook did. The tiny random-weight model stands in for SmolLM2: with
+# `ignore_eos` the schedule depends on the lengths alone. The sizes of the largest plan of each
+# kind, and the gates that passed (`days/day25/day-25-plans.csv`; `build_us`, the mean time to
+# build one plan, is this machine's):
+
+# %%
+with open(planbench.CSV_PLANS) as f:
+    committed = list(csv.DictReader(f))
+keys = ["schedule", "kind", "steps", "tokens_max", "rows_max", "largest_width", "per_token_bytes",
+        "per_row_bytes", "window_bytes", "window_share", "gates_passed", "build_us"]  # fmt: skip
+print(" | ".join(keys))
+for r in committed:
+    print(" | ".join(r[k] for k in keys))
+for r in committed:  # every decode plan passed two gates, every other plan one
+    per = 2 if r["kind"] == "decode" else 1
+    assert int(r["gates_passed"]) == per * int(r["steps"])
+
+# %% [markdown]
+# The per-token tensors grow with the step's tokens, 24 bytes a token, and the per-row ones
+# with its rows, 16 bytes a row; the window grows with rows times the widest context and is
+# most of every plan but a lone prompt's. A decode step of 8 rows carries 192 bytes of tokens
+# and 13,312 bytes of window, 97.7% of the plan. That is why Day 51 will keep the windows in a
+# slot table written in place as sequences grow, a decode step's window a view on it, instead
+# of rebuilding
+# it, and why the native kernel of phase 6 reads the K/V in place through the window instead of
+# gathering a padded copy of it. Under the default policy most prompt work rode in mixed steps
+# (37 mixed against 2 pure prefill steps), whose plans carry both a chunk's tokens and every
+# decode row's window; prefill-first ran the same requests in 34 prefill and 82 decode steps.
+#
+# ## 6. The diagram
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+colors = {"req-0": "tab:blue", "req-1": "tab:orange", "req-2": "tab:green"}
+for ax, step in zip((axes[0, 0], axes[0, 1], axes[1, 0]), (0, 2, 4)):
+    _, kind, _, _, plan, _ = seen[step]
+    n, (rows, width) = plan.num_tokens, plan.slot_window.shape
+    # the flat row on top: one cell per token, its position inside, its write slot below
+    for r, (a, b, _) in enumerate(plan.row_spans):
+        for i in range(a, b):
+            face = colors[plan.rows[r].request_id]
+            ax.add_patch(plt.Rectangle((i, -2.2), 0.95, 0.9, color=face))
+            ax.text(i + 0.47, -1.75, str(plan.positions[i].item()), ha="center", va="center", fontsize=7)
+            ax.text(i + 0.47, -0.95, str(plan.write_slots[i].item()), ha="center", va="center", fontsize=6)
+    # the window below: one row per plan row, faded past its context
+    for r in range(rows):
+        ctx = plan.context_lens[r].item()
+        face = colors[plan.rows[r].request_id]
+        for j in range(width):
+            ax.add_patch(plt.Rectangle((j, r + 0.2), 0.95, 0.9, color=face, alpha=1.0 if j < ctx else 0.2))
+            slot = plan.slot_window[r, j].item()
+            ax.text(j + 0.47, r + 0.65, str(slot), ha="center", va="center", fontsize=6)
+    ax.set_xlim(-0.2, max(n, width) + 0.2)
+    ax.set_ylim(rows + 0.3, -2.4)
+    ticks = ["position", "write slot"] + [f"window, row {r}" for r in range(rows)]
+    ax.set_yticks([-1.75, -0.95] + [r + 0.65 for r in range(rows)], ticks, fontsize=8)
+    ax.set_xticks([])
+    ax.set_title(f"Step {step}, {kind}: {n} tokens, window {rows} x {width}", fontsize=10)
+axes[0, 0].legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
+                  ["rain prompt", "moon prompt", "bread prompt"], fontsize=8, loc="center right")  # fmt: skip
+
+ax = axes[1, 1]
+labels = [f"{r['schedule']}\n{r['kind']}" for r in committed]
+parts = [("per_token_bytes", "tokens: ids, positions, slots", "tab:blue"),
+         ("per_row_bytes", "rows: context_lens, logits_at", "tab:orange"),
+         ("window_bytes", "slot_window", "tab:gray")]  # fmt: skip
+bottom = [0.0] * len(committed)
+for key, label, color in parts:
+    vals = [int(r[key]) / 1024 for r in committed]
+    ax.bar(range(len(committed)), vals, bottom=bottom, color=color, label=label)
+    bottom = [b + v for b, v in zip(bottom, vals)]
+ax.set_xticks(range(len(committed)), labels, fontsize=8)
+ax.set_ylabel("KiB in the largest plan of the kind")
+ax.set_title("Where a plan's bytes are (day-25-plans.csv, 16 requests)", fontsize=10)
+ax.legend(fontsize=8)
+
+fig.suptitle("Day 25: the plans of a real engine's steps, SmolLM2, blocks of 4, budget 12", fontsize=13)
+fig.tight_layout()
+png = diagram_path("day25-step-plan.png")
+fig.savefig(png, dpi=100)
+plt.close(fig)
+display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM** V1 splits the same information in two. The scheduler's `SchedulerOutput`
+#   (`vllm/v1/core/sched/output.py`) says what to compute: `num_scheduled_tokens` per request,
+#   new requests with their block ids, and the block ids each running request gained. The
+#   model runner's `_prepare_inputs` (`vllm/v1/worker/gpu_model_runner.py`) turns it into
+#   tensors: `input_ids` and `positions` for the flat batch, and a `CommonAttentionMetadata`
+#   (`vllm/v1/attention/backends/utils.py`) with `query_start_loc` (our span starts, plus the
+#   end), `seq_lens` (our `context_lens`), `block_table_tensor` (our block tables, where we
+#   expand to a window of slots) and `slot_mapping` (our `write_slots`). Each attention backend
+#   then builds its own metadata from it. The block table and its slot mapping live in
+#   persistent buffers of the runner's input batch, updated in place, the idea of Day 53.
+# * **SGLang**'s `ForwardBatch` (`python/sglang/srt/model_executor/forward_batch_info.py`)
+#   carries `input_ids`, `positions`, `out_cache_loc` (the write slots), `seq_lens`, and for
+#   prefill `extend_seq_lens`, `extend_prefix_lens` and `extend_start_loc`; which slots a
+#   request reads comes from `req_to_token_pool` indexed by `req_pool_indices`. Its
+#   `forward_mode` says what kind of step it is (`EXTEND`, `DECODE`, `MIXED`, and more).
+# * **TensorRT-LLM** passes the plan as engine inputs: packed `input_ids` and `position_ids`,
+#   `context_lengths` and `sequence_length` per request, `host_request_types` saying which
+#   requests are in their context (prefill) phase and which are generating, and the paged
+#   cache's `kv_cache_block_offsets`.
+# * **llama.cpp** keeps it per token: a `llama_batch` holds each token's id, `pos`, `seq_id`s
+#   and a `logits` flag (our `logits_at`), and the context finds each token a KV cell
+#   (`find_slot`) before the graph runs.
+# * I found none of them running addressing gates like `plan.py`'s on every step; they rely on
+#   tests and on asserts along the way. vLLM's input batch does keep a CPU copy of each
+#   tensor next to the GPU one (`CpuGpuBuffer`), which is where such a check could read.
+
+# %% [markdown]
+# ## Try it
+#
+# 1. **Break the hand-built plan.** In `plan_by_hand`, pad short windows with the row's own
+#    first block instead of block 0. Re-run section 2: the assert must fail at step 0, naming
+#    `slot_window`, while `check_window_intact` would still pass the engine's plan (padding is
+#    outside every row's context). Which of the two is a rule of the engine and which is a rule
+#    of the package's implementation?
+# 2. **Make the package gate safe on prompt rows.** Write `check_addressing_any(plan)` that calls
+#    `check_plan_addressing` when `plan.is_decode` and `check_spans` otherwise; run it on all
+#    five plans (must pass) and on the four planted ones (must refuse all but the bad window).
+# 3. **A bigger budget, fewer mixed steps.** Run `python days/day25/planbench.py --budget 512
+#    --out /tmp/p.csv`: with the same requests, the mixed steps must fall and the largest
+#    prefill or mixed plan's `per_token_bytes` must rise toward 24 x its longest prompt.
+# 4. **Sample from the wrong token.** Set `logits_at[2] = 3` in a copy of step 2's plan and run
+#    `check_spans`: it must name row 2. Then run the model on it through `eng.cache.view(...)`:
+#    the forward succeeds, and the chunk's logits are those of its second token.
