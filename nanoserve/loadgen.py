@@ -14,7 +14,8 @@ what it asked for; a healthy run has none.
 
 Timings are taken on the client as chunks arrive: TTFT is the first chunk carrying a token,
 each later chunk's gap is one ITL sample per token it carries, and TPOT is
-(last - first) / (tokens - 1).
+(e2e - TTFT) / (tokens - 1), e2e being when the stream ended (after its finish and usage
+chunks), so TTFT + (tokens - 1) x TPOT = e2e.
 """
 
 from __future__ import annotations

@@ -521,7 +521,9 @@ def create_app(
                         yield answer.echo_chunk(k, include_usage)
                     if item.finished:
                         finished.add(k)
-                    if item.text_delta or item.finished:  # else: no whole character yet, or held by a stop
+                    # else no whole character yet, or held by a stop; an engine without a
+                    # tokenizer has no text (nor stop strings), so its tokens go out as they come
+                    if item.text_delta or item.finished or (eng.tokenizer is None and item.new_token_ids):
                         yield answer.chunk(k, item.text_delta, item.finish_reason, include_usage)
                     if len(finished) == len(rids):
                         if include_usage:

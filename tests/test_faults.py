@@ -207,6 +207,23 @@ def tiny_engine(tmp_path):
     return Engine(model, None, EngineConfig(max_batch=1, kv_budget=per_block * 64))
 
 
+def test_a_tokenizer_less_engine_streams_its_tokens_as_they_come(tiny_engine):
+    """With no tokenizer there is no text to wait for: each step's token goes out in its own
+    chunk (it used to wait for the finish and arrive all at once), and the ids streamed equal
+    the model's greedy tokens."""
+    prompt, n = [5, 17, 42, 9], 12
+    ref = greedy_tokens(tiny_engine.model, prompt, n)
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    with ServerThread(create_app(tiny_engine)) as url:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body | {"return_token_ids": True}, timeout=60
+        ) as r:
+            events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    per_chunk = [len(c["token_ids"]) for e in events for c in e["choices"]]
+    assert streamed_ids(events) == ref
+    assert len(per_chunk) >= n and max(per_chunk) == 1, per_chunk
+
+
 def test_a_loop_that_dies_is_reported_and_nobody_waits(tiny_engine):
     """The engine loop is killed from inside, by its own hand-off code (the metrics it updates
     after a step): the request in flight gets an error at once, /health turns 503 "failed" with
