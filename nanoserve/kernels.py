@@ -38,24 +38,59 @@ def native():
             _status = "off (NANOSERVE_NATIVE=0)"
             return None
         try:
-            import hashlib
-
-            from torch.utils.cpp_extension import load
-
-            # named by its source, so checkouts with different kernels never rebuild each other's
-            digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:12]
-            _ext = load(
-                name=f"nanoserve_native_{digest}",
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            _ext = _build()
             _status = "built"
         except Exception as e:  # no compiler, no headers, a failed build: the PyTorch path it is
             _status = f"unavailable ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
             _ext = None
     return _ext
+
+
+def build_location() -> tuple[str, Path]:
+    """The extension's name and build directory: named by the kernel's source and by this
+    environment (torch's path and the interpreter's prefix)."""
+    import hashlib
+    import sys
+
+    import torch
+    from torch.utils.cpp_extension import _get_build_directory
+
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
+    h.update(f"{torch.__file__}|{sys.prefix}".encode())
+    name = f"nanoserve_native_{h.hexdigest()[:12]}"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return name, build_dir
+
+
+def _build():
+    """torch's JIT build, made safe to share: the build directory is named by the source and by
+    this environment (torch's path, so two checkouts or venvs never rewrite each other's
+    build.ninja and rebuild in turn), and the build runs under an flock on that directory. torch
+    guards a build with a plain `lock` file and waits for it to vanish, forever: a process killed
+    mid-build (Ctrl-C during the first boot's minute of compiling) used to leave every later
+    start of nanoserve hanging. The flock dies with its process; whoever holds it knows no other
+    nanoserve is building here, so a `lock` file it finds is stale and is removed."""
+    from torch.utils.cpp_extension import load
+
+    name, build_dir = build_location()
+    with open(build_dir / "nanoserve.flock", "w") as held:
+        try:
+            import fcntl
+
+            fcntl.flock(held, fcntl.LOCK_EX)  # released by the OS if this process dies
+        except ImportError:  # no flock (not POSIX): torch's own lock alone
+            pass
+        else:
+            (build_dir / "lock").unlink(missing_ok=True)
+        return load(
+            name=name,
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
 
 
 def native_status() -> str:

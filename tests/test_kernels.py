@@ -98,3 +98,21 @@ def test_the_kernel_is_built_for_the_instructions_this_cpu_has():
     flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
     want = "avx2" if {"avx2", "fma"} <= set(flags) else "portable"
     assert native().isa() == want
+
+
+@needs_native
+def test_a_stale_build_lock_does_not_hang_the_next_start():
+    """A process killed mid-build leaves torch's `lock` file behind, and torch waits for it to go
+    away forever; the next start (here a fresh interpreter) holds an flock, knows the file is
+    stale, removes it and loads. Before the flock, this hung until the timeout."""
+    import subprocess
+    import sys
+
+    from nanoserve.kernels import build_location
+
+    _, build_dir = build_location()
+    (build_dir / "lock").touch()
+    code = "from nanoserve.kernels import native_status; print(native_status())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "built", r.stderr[-500:]
+    assert not (build_dir / "lock").exists()
