@@ -7,12 +7,15 @@
 * `tiny_config(...)`, `tiny_llama(seed, std, ...)`: the random-weight Llama the day scripts run
   when the default model would be slower than the idea needs (2 layers, hidden 64, vocab 256).
 * `cpu_profile()`: `torch.profiler` over the CPU without the lines it prints from C++.
-* `ServerThread(app)`: uvicorn serving an app on a background thread, for notebooks and tests.
+* `ServerThread(app)`: uvicorn serving an app on a background thread, for notebooks and tests;
+  `served(engine)`: the same around `create_app(engine)`, its boot line kept off stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import os
 import sys
 import tempfile
@@ -136,3 +139,17 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+@contextlib.contextmanager
+def served(engine):
+    """`create_app(engine)` on a free loopback port, its boot line kept off stderr; yields the URL."""
+    from nanoserve.serve import create_app
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        server = ServerThread(create_app(engine))
+        url = server.__enter__()
+    try:
+        yield url
+    finally:
+        server.__exit__(None, None, None)

@@ -22,8 +22,6 @@ Three tables, one CSV each, all from SmolLM2-135M-Instruct behind `create_app` o
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import time
 from pathlib import Path
 
@@ -32,9 +30,8 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import ServerThread, write_csv
+from nanoserve.course import served, write_csv
 from nanoserve.engine import Engine
-from nanoserve.serve import create_app
 
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -59,18 +56,6 @@ def make_engine(model, tokenizer) -> Engine:
     engine = Engine(model, tokenizer, config)
     engine.model_name = MODEL_NAME
     return engine
-
-
-@contextlib.contextmanager
-def served(engine):
-    """The server on a free loopback port (its boot line kept off stderr); yields the URL."""
-    with contextlib.redirect_stderr(io.StringIO()):
-        server = ServerThread(create_app(engine))
-        url = server.__enter__()
-    try:
-        yield url
-    finally:
-        server.__exit__(None, None, None)
 
 
 HTTP = httpx.Client(timeout=120)  # one client, kept-alive connections (a top-level httpx.post builds its own)

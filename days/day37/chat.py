@@ -21,8 +21,6 @@ conversation of `CONVERSATIONS`:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import time
 from pathlib import Path
 
@@ -30,9 +28,8 @@ import httpx
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, write_csv
+from nanoserve.course import served, write_csv
 from nanoserve.engine import Engine
-from nanoserve.serve import create_app
 
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -55,18 +52,6 @@ def make_engine(model, tokenizer) -> Engine:
     engine = Engine(model, tokenizer, EngineConfig(max_batch=8, max_model_len=512, kv_budget=32 * 2**20))
     engine.model_name = MODEL_NAME
     return engine
-
-
-@contextlib.contextmanager
-def served(engine):
-    """The server on a free loopback port (its boot line kept off stderr); yields the URL."""
-    with contextlib.redirect_stderr(io.StringIO()):
-        server = ServerThread(create_app(engine))
-        url = server.__enter__()
-    try:
-        yield url
-    finally:
-        server.__exit__(None, None, None)
 
 
 def as_engine_sees(messages: list[dict]) -> list[dict]:

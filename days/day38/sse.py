@@ -23,8 +23,6 @@ gives the same answer on this server's streams (one line per event) and not on o
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import time
 from pathlib import Path
@@ -33,9 +31,8 @@ import httpx
 import torch
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, write_csv
+from nanoserve.course import served, write_csv
 from nanoserve.engine import Engine
-from nanoserve.serve import create_app
 
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -50,18 +47,6 @@ def make_engine(model, tokenizer) -> Engine:
     engine = Engine(model, tokenizer, EngineConfig(max_batch=8, max_model_len=512, kv_budget=32 * 2**20))
     engine.model_name = MODEL_NAME
     return engine
-
-
-@contextlib.contextmanager
-def served(engine):
-    """The server on a free loopback port (its boot line kept off stderr); yields the URL."""
-    with contextlib.redirect_stderr(io.StringIO()):
-        server = ServerThread(create_app(engine))
-        url = server.__enter__()
-    try:
-        yield url
-    finally:
-        server.__exit__(None, None, None)
 
 
 def body(route: str, max_tokens: int, stream: bool) -> dict:
