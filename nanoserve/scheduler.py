@@ -183,17 +183,8 @@ class Scheduler:
     def _schedule_static(self) -> Batch:
         """Admit a whole batch when the last one has left; then its prompts, then its decodes."""
         if not self.running:
-            while self.waiting and len(self.running) < self.max_batch:
-                seq = self.waiting[0]
-                if not self.can_admit(seq):
-                    break
-                try:
-                    cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids, seq.reuse_prefix)
-                except NoFreeBlocks:
-                    break
-                self.waiting.popleft()
-                self.running.append(seq)
-                seq.num_computed = cached
+            while self.waiting and len(self.running) < self.max_batch and self._admit_next():
+                pass
         batch = self._schedule_prefill(admit=False)
         if batch.chunks:
             return batch
@@ -212,20 +203,28 @@ class Scheduler:
                 batch.chunks.append((seq, seq.num_computed, end))
                 budget -= end - seq.num_computed
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            if not self.can_admit(seq):
-                break  # admitting it now would make the next decode step preempt someone
-            try:
-                cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids, seq.reuse_prefix)
-            except NoFreeBlocks:
-                break  # blocks come back as running sequences finish
-            self.waiting.popleft()
-            self.running.append(seq)
-            seq.num_computed = cached
-            end = min(len(seq.token_ids), cached + budget)
-            batch.chunks.append((seq, cached, end))
-            budget -= end - cached
+            seq = self._admit_next()
+            if seq is None:
+                break
+            end = min(len(seq.token_ids), seq.num_computed + budget)
+            batch.chunks.append((seq, seq.num_computed, end))
+            budget -= end - seq.num_computed
         return batch
+
+    def _admit_next(self) -> Sequence | None:
+        """Move the front of the queue into the running set with its prompt's blocks (what the
+        prefix cache holds already counted as computed), or None if it must wait."""
+        seq = self.waiting[0]
+        if not self.can_admit(seq):
+            return None  # admitting it now would make the next decode step preempt someone
+        try:
+            cached = self.allocator.allocate_prompt(seq.block_table, seq.token_ids, seq.reuse_prefix)
+        except NoFreeBlocks:
+            return None  # blocks come back as running sequences finish
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.num_computed = cached
+        return seq
 
     def reserve(self) -> int:
         """Blocks admission leaves free: one per running sequence whose next token needs a new
