@@ -108,6 +108,14 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
     )
     engine = None
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    fused_rate, fused_same = None, None
+    if dtype == torch.float32:  # the whole step in one native call, on the weights as loaded
+        plain = load_model(model_dir, dtype=dtype)
+        if plain.fused_status() is None:
+            fused = Engine(plain, tok, EngineConfig(max_batch=1, decode_step="fused"))
+            fused_rate, fused_tokens = decode_rate(lambda n: engine_tokens_of(fused, prompt, n), n_tokens)
+            fused_same = first_difference(fused_tokens, ours_tokens)
+        plain = fused = None
     ours = None  # free its memory before loading the peer
 
     hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -136,9 +144,120 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
         "engine_tok_s": round(engine_rate, 1),
         "transformers_tok_s": round(hf_rate, 1),
         "ratio": round(ours_rate / hf_rate, 2),
+        "fused_tok_s": None if fused_rate is None else round(fused_rate, 1),
+        "fused_ratio": None if fused_rate is None else round(fused_rate / hf_rate, 2),
         "weight_mb": round(weight_bytes / 1e6, 1),
         "first_token_difference": "none" if same is None else same,
+        "fused_vs_eager": "n/a"
+        if fused_rate is None
+        else ("equal" if fused_same is None else f"differ at {fused_same}"),
     }
+
+
+def engine_tokens_of(engine, prompt: list[int], n: int) -> list[int]:
+    from nanoserve.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    return engine.generate([prompt], params, use_tqdm=False)[0].token_ids
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists part (or the shorter one's end), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: str, n_tokens: int, reference):
+    """Batch-1 decode from the GGUF's own blocks: the fused step and the same engine on torch
+    ops, their tokens against each other and against the fp32 reference's."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
+    from nanoserve.model import LlamaConfig, model_weight_bytes
+    from nanoserve.quant import load_gguf_model
+    from nanoserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+    model = load_gguf_model(gguf, LlamaConfig.from_dir(model_dir), weights, activations)
+    rates, tokens = {}, {}
+    for step in ("fused", "ops"):
+        eng = Engine(model, tok, EngineConfig(max_batch=1, decode_step=step))
+        rates[step], tokens[step] = decode_rate(lambda n, e=eng: engine_tokens_of(e, prompt, n), n_tokens)
+    ref_diff = first_difference(tokens["fused"], reference) if reference else "n/a"
+    return (
+        {
+            "weights": f"{weights}/{activations}",
+            "threads": torch.get_num_threads(),
+            "tokens": n_tokens,
+            "fused_tok_s": round(rates["fused"], 1),
+            "ops_tok_s": round(rates["ops"], 1),
+            "weight_mb": round(model_weight_bytes(model) / 1e6, 1),
+            "fused_vs_ops": "equal"
+            if tokens["fused"] == tokens["ops"]
+            else f"differ at {first_difference(tokens['fused'], tokens['ops'])}",
+            "vs_fp32_reference": "equal"
+            if ref_diff is None
+            else (f"differ at {ref_diff}" if ref_diff != "n/a" else ref_diff),
+        },
+        tokens["fused"],
+        prompt,
+    )
+
+
+def llama_server_decode(binary: str, gguf: Path, prompt: list[int], n_tokens: int, threads: int):
+    """llama.cpp's own decode rate on the same prompt and GGUF: `llama-server` started here,
+    greedy, n tokens past EOS; its `timings.predicted_per_second` (prefill excluded), best of 3."""
+    import httpx
+
+    with PeerProcess(binary, str(gguf), _free_port(), slots=1, ctx=4096, threads=threads) as peer:
+        best, toks = 0.0, []
+        for _ in range(3):
+            r = httpx.post(
+                f"{peer.url}/completion",
+                json={
+                    "prompt": prompt,
+                    "n_predict": n_tokens,
+                    "temperature": 0,
+                    "top_k": 1,
+                    "ignore_eos": True,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                },
+                timeout=300,
+            ).json()
+            best = max(best, float(r["timings"]["predicted_per_second"]))
+            toks = r.get("tokens") or []
+    return best, toks
+
+
+def llama_bench_decode(binary: str, gguf: Path, n_tokens: int, threads: int) -> float:
+    """llama.cpp's `llama-bench -p 0 -n N`: tokens/s generating N tokens from an empty context."""
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [
+            binary,
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-p",
+            "0",
+            "-n",
+            str(n_tokens),
+            "-r",
+            "3",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    return float(next(r["avg_ts"] for r in json.loads(out) if r.get("n_gen")))
 
 
 def throughput_workload(n: int, prompt_lens, output_lens, vocab: int, seed: int = 0):
@@ -318,7 +437,7 @@ def finish(bench: str, rows: list[dict], csv_path: str | None) -> None:
 
 
 def cmd_decode(args) -> None:
-    from nanoserve.weights import resolve_model_dir
+    from nanoserve.weights import fetch_default_gguf, resolve_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -328,22 +447,94 @@ def cmd_decode(args) -> None:
         "float32": [torch.float32],
         "bfloat16": [torch.bfloat16],
         "both": [torch.float32, torch.bfloat16],
+        "none": [],
     }
     bandwidth = read_bandwidth_gbs()
-    print(f"model {model_dir.name}, {torch.get_num_threads()} threads, read bandwidth {bandwidth:.1f} GB/s")
-    rows = []
+    threads = torch.get_num_threads()
+    print(f"model {model_dir.name}, {threads} threads, read bandwidth {bandwidth:.1f} GB/s")
+    rows, reference = [], None
     for dtype in dtypes[args.dtype]:
         row = bench_decode(model_dir, dtype, args.tokens)
         row["roofline_tok_s"] = round(bandwidth * 1e9 / (row["weight_mb"] * 1e6), 1)
         rows.append(row)
+        fused = (
+            f"   fused step {row['fused_tok_s']:.1f} tok/s ({row['fused_ratio']:.2f}x, tokens "
+            f"{row['fused_vs_eager']})"
+            if row["fused_tok_s"] is not None
+            else ""
+        )
         print(
             f"{row['dtype']:>9}: nanoserve {row['nanoserve_tok_s']:6.1f} tok/s (engine "
             f"{row['engine_tok_s']:.1f})   transformers "
-            f"{row['transformers_tok_s']:6.1f} tok/s   ratio {row['ratio']:.2f}x   roofline "
+            f"{row['transformers_tok_s']:6.1f} tok/s   ratio {row['ratio']:.2f}x{fused}   roofline "
             f"{row['roofline_tok_s']:.1f} tok/s ({row['weight_mb']:.0f} MB a token)   "
             f"greedy tokens differ at: {row['first_token_difference']}"
         )
-    finish("decode", rows, args.csv)
+    if args.dtype in ("float32", "both") or args.quant:
+        from nanoserve.model import load_model
+        from nanoserve.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(model_dir)
+        prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+        if args.quant:  # the fp32 model's greedy tokens, which the q4_1/fp32 rows are held to
+            from nanoserve.generate import greedy_tokens
+
+            reference = greedy_tokens(load_model(model_dir), prompt, args.tokens)
+    quant_rows = []
+    gguf = Path(args.gguf) if args.gguf else (fetch_default_gguf() if args.model is None else None)
+    if args.quant and gguf is None:
+        print("quantized rows: pass --gguf FILE (the GGUF this model directory came from)")
+    peer = None
+    for spec in args.quant if gguf is not None else []:
+        weights, _, acts = spec.partition("/")
+        row, tokens, prompt = bench_decode_quant(
+            model_dir, gguf, weights, acts or "fp32", args.tokens, reference
+        )
+        row["roofline_tok_s"] = round(bandwidth * 1e9 / (row["weight_mb"] * 1e6), 1)
+        if peer is None and (args.llama_server or args.llama_bench):
+            peer = {}
+            if args.llama_server:
+                peer["llama-server"] = llama_server_decode(
+                    args.llama_server, gguf, prompt, args.tokens, threads
+                )
+            if args.llama_bench:
+                peer["llama-bench"] = (llama_bench_decode(args.llama_bench, gguf, args.tokens, threads), None)
+        for name, (rate, peer_tokens) in (peer or {}).items():
+            row[f"{name}_tok_s"] = round(rate, 1)
+            row[f"ratio_vs_{name}"] = round(row["fused_tok_s"] / rate, 2)
+            if peer_tokens:
+                d = first_difference(tokens, peer_tokens)
+                row[f"vs_{name}_tokens"] = "equal" if d is None else f"differ at {d}"
+        quant_rows.append(row)
+        peers = "".join(
+            f"   {name} {rate:.1f} tok/s (ratio {row['fused_tok_s'] / rate:.2f}x"
+            + (f", tokens {row[f'vs_{name}_tokens']}" if f"vs_{name}_tokens" in row else "")
+            + ")"
+            for name, (rate, _) in (peer or {}).items()
+        )
+        print(
+            f"{row['weights']:>10}: fused step {row['fused_tok_s']:6.1f} tok/s   torch ops "
+            f"{row['ops_tok_s']:.1f}{peers}   roofline {row['roofline_tok_s']:.1f} tok/s "
+            f"({row['weight_mb']:.0f} MB a token)   fused vs ops tokens {row['fused_vs_ops']}, "
+            f"vs the fp32 model {row['vs_fp32_reference']}"
+        )
+    if args.csv:
+        write_csv(rows + quant_rows, args.csv)
+    ratios = " ".join(
+        f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x"
+        + (
+            f" {r['dtype']}_fused={r['fused_tok_s']}/{r['transformers_tok_s']}={r['fused_ratio']}x"
+            if r["fused_tok_s"]
+            else ""
+        )
+        for r in rows
+    )
+    for r in quant_rows:
+        ratios += f" {r['weights']}={r['fused_tok_s']}"
+        for name in ("llama-server", "llama-bench"):
+            if f"{name}_tok_s" in r:
+                ratios += f"/{name}:{r[f'{name}_tok_s']}={r[f'ratio_vs_{name}']}x"
+    print(f"RESULT decode {ratios.strip()}")
 
 
 class ServerProcess:
@@ -551,10 +742,25 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="bench", required=True)
     p = sub.add_parser("decode", help="batch-1 decode against transformers' generate")
     p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "both", "none"], default="both")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None, help="also write the rows to this CSV")
+    p.add_argument(
+        "--quant",
+        nargs="*",
+        default=["q4_1/fp32", "q4_1/int8"],
+        help="quantized rows, WEIGHTS/ACTIVATIONS, from the GGUF's own blocks (default: q4_1/fp32 q4_1/int8)",
+    )
+    p.add_argument(
+        "--gguf", default=None, help="the GGUF for the quantized rows (default: the default model's)"
+    )
+    p.add_argument(
+        "--llama-server", default=None, help="a llama-server binary: llama.cpp's rate on the same GGUF"
+    )
+    p.add_argument(
+        "--llama-bench", default=None, help="a llama-bench binary: llama.cpp's rate on the same GGUF"
+    )
     p = sub.add_parser("throughput", help="continuous batching against transformers' static batches")
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32")

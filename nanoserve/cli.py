@@ -29,6 +29,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--model", metavar="DIR", help="HF Llama-family model directory (default: SmolLM2-135M-Instruct)"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
+    p.add_argument(
+        "--weights",
+        choices=["q4_1", "q8_0"],
+        default=None,
+        help="serve quantized matrices, blocks of 32 as a GGUF holds them: the default model's own "
+        "Q4_1 file as it lies, --gguf's, or --model's fp32 weights quantized at load (default: "
+        "--dtype's unquantized weights)",
+    )
+    p.add_argument("--gguf", default=None, metavar="FILE", help="with --weights: the GGUF to read them from")
+    p.add_argument(
+        "--quant-activations",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="with --weights: fp32 (the dequantized model's numbers) or int8 per block (llama.cpp's "
+        "arithmetic) (default: fp32)",
+    )
+    p.add_argument(
+        "--decode-step",
+        choices=["auto", "fused", "ops"],
+        default="auto",
+        help="a decode step as one native call (fused) or as the model's torch ops; auto: fused "
+        "for quantized weights (default: auto)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -210,6 +233,15 @@ def device_of(args) -> str:
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def weights_options(args) -> dict:
+    return dict(
+        weights=args.weights,
+        gguf=args.gguf,
+        quant_activations=args.quant_activations,
+        decode_step=args.decode_step,
+    )
+
+
 def load(args):
     """An `Engine` over the model the options name (one sequence at a time is all a terminal needs,
     but the same engine serves a batch: see `nanoserve.engine`)."""
@@ -224,6 +256,7 @@ def load(args):
         max_batch=1,
         max_model_len=args.max_model_len,
         threads=args.threads,
+        **weights_options(args),
     )
     try:
         return build_engine(config)
@@ -344,6 +377,7 @@ def cmd_serve(args) -> None:
             schedule=args.schedule,
             attention=args.attention,
             linear=args.linear,
+            **weights_options(args),
             max_num_batched_tokens=args.max_num_batched_tokens,
             warm_max_rows=args.warm_max_rows,
             warm_max_width=args.warm_max_width

@@ -31,6 +31,20 @@ class EngineConfig:
     # load, model.pack_linears), "plain" (torch's matmul on the weights as loaded, days 3-12),
     # "auto" (packed where oneDNN can pack this dtype on this CPU, else plain)
     linear: str = "auto"
+    # what the block matrices hold (phase 6): None, the dtype's own (float32/bfloat16 weights);
+    # "q4_1" or "q8_0", blocks of 32 as a GGUF holds them (quant.py), activations stay fp32. For
+    # the default model they are read from its GGUF as they lie; `gguf` names another file to
+    # read them from; otherwise the directory's fp32 weights are quantized at load.
+    weights: str | None = None
+    gguf: str | None = None
+    # a quantized linear's activations: "fp32" (the products see exactly the dequantized weights:
+    # the default model's greedy tokens equal its fp32 conversion's), or "int8" per block of 32,
+    # llama.cpp's arithmetic (its tokens, not the fp32 model's: they part at the first token of a
+    # plain question to SmolLM2)
+    quant_activations: str = "fp32"
+    # a decode step as "fused" (one native call: csrc/quant.cpp) or "ops" (the model's torch ops);
+    # "auto": fused for quantized weights where the native kernels build, ops otherwise
+    decode_step: str = "auto"
     # admission keeps a block free for each running sequence's next token plus this share of the
     # pool (scheduler.py); None admits into the last free blocks (the earlier policy). 5%, not
     # vLLM's 1%: 1% of a CPU pool of ~100 blocks rounds to nothing (bench admission measures it)
@@ -68,6 +82,19 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, native or gather, got {self.attention!r}")
         if self.linear not in ("auto", "packed", "plain"):
             raise ValueError(f"linear must be auto, packed or plain, got {self.linear!r}")
+        if self.weights not in (None, "q4_1", "q8_0"):
+            raise ValueError(f"weights must be q4_1 or q8_0 (or unset: the dtype's), got {self.weights!r}")
+        if self.weights and self.dtype != "float32":
+            raise ValueError(
+                f"quantized weights compute in float32; --weights {self.weights} with dtype {self.dtype} "
+                "is not a combination nanoserve runs"
+            )
+        if self.gguf and not self.weights:
+            raise ValueError("a gguf file is read for quantized weights; give weights q4_1 or q8_0 with it")
+        if self.quant_activations not in ("int8", "fp32"):
+            raise ValueError(f"quant_activations must be int8 or fp32, got {self.quant_activations!r}")
+        if self.decode_step not in ("auto", "fused", "ops"):
+            raise ValueError(f"decode_step must be auto, fused or ops, got {self.decode_step!r}")
         if self.schedule not in ("budget", "prefill-first", "static"):
             raise ValueError(f"schedule must be budget, prefill-first or static, got {self.schedule!r}")
         if self.watermark is not None and not 0 <= self.watermark < 1:

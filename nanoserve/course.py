@@ -37,10 +37,13 @@ def diagram_path(name: str) -> Path:
 
 
 def write_csv(rows: list[dict], path: str | Path) -> Path:
+    """Rows to CSV; the columns are every key in order of first appearance (a row without one
+    leaves it empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+        w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     return path

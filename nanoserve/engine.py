@@ -126,6 +126,7 @@ class Engine:
                 inputs = PersistentInputs(config.max_batch, sink, device=model.device)
         # last of the checks that can refuse the config: a refused engine leaves the model as it was
         self.linear = self._pack(model, config)
+        self.decode_step = self._decode_step(model, config, self.cache.attention)
         self.runner = ModelRunner(
             model,
             self.cache,
@@ -135,6 +136,7 @@ class Engine:
             inputs,
             capture=config.capture_decode,
             graph_budget=config.graph_budget,
+            fused=self.decode_step == "fused",
         )
         self.scheduler.on_leave = self.runner.release
         self.requests: dict[str, _Request] = {}
@@ -152,9 +154,18 @@ class Engine:
         earlier engine packed stays packed whatever config.linear says (load a fresh model for
         a plain reference, as days 48-58 do)."""
         from nanoserve.model import pack_linears, packing_status
+        from nanoserve.quant import QuantTensor
 
+        if isinstance(model.head, QuantTensor):
+            if config.linear == "packed":
+                raise ValueError(
+                    f"linear='packed' is for fp32/bf16 weights; this model's are {model.weights}"
+                )
+            return model.weights
         if model.head.is_mkldnn:
             return "packed"
+        if config.decode_step == "fused" and config.linear == "auto":
+            return "plain"  # the fused step reads the weights as loaded, not oneDNN's layout
         why = packing_status(model.dtype, model.device) if config.linear != "plain" else "asked"
         if why is None:
             pack_linears(model, rows=config.max_batch)
@@ -162,6 +173,33 @@ class Engine:
         if config.linear == "packed":
             raise ValueError(f"linear='packed' is not possible here: {why}")
         return "plain"
+
+    def paths_line(self) -> str:
+        """Which way each part runs: 'paths: weights q4_1 (fp32 activations), 96.6 MB, linears
+        q4_1, decode step fused, decode attention native, schedule budget'."""
+        from nanoserve.quant import describe_weights
+
+        return (
+            f"paths: weights {describe_weights(self.model)}, linears {self.linear}, decode step "
+            f"{self.decode_step}, decode attention {self.cache.attention}, schedule {self.config.schedule}"
+        )
+
+    @staticmethod
+    def _decode_step(model, config: EngineConfig, attention: str) -> str:
+        """ "fused" or "ops": what a decode step runs as (config.decode_step; auto is fused for
+        quantized weights where the native kernels can run the model)."""
+        from nanoserve.quant import QuantTensor
+
+        if config.decode_step == "ops":
+            return "ops"
+        why = model.fused_status()
+        if why is None and attention != "native":
+            why = "the fused step reads the pools with the native attention kernel (attention='native')"
+        if config.decode_step == "fused":
+            if why is not None:
+                raise ValueError(f"decode_step='fused' is not possible here: {why}")
+            return "fused"
+        return "fused" if why is None and isinstance(model.head, QuantTensor) else "ops"
 
     # --- requests --------------------------------------------------------------------------
 
@@ -460,7 +498,12 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
         torch.set_num_threads(config.threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = resolve_model_dir(config.model)
-    model = load_model(model_dir, dtype=getattr(torch, config.dtype), device=device)
+    if config.weights:
+        from nanoserve.quant import load_quantized
+
+        model = load_quantized(config, model_dir)
+    else:
+        model = load_model(model_dir, dtype=getattr(torch, config.dtype), device=device)
     if config.max_model_len and config.max_model_len > model.cfg.max_position_embeddings:
         raise ValueError(
             f"max_model_len {config.max_model_len} is longer than the model's context of "
@@ -469,11 +512,7 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
     engine = Engine(model, Tokenizer.from_dir(model_dir), config)
     engine.model_name = model_dir.name
     print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
-    print(
-        f"paths: linears {engine.linear}, decode attention {engine.cache.attention}, "
-        f"schedule {config.schedule}",
-        file=sys.stderr,
-    )
+    print(engine.paths_line(), file=sys.stderr)
     if config.capture_decode and config.warm:
         on_phase("warming")
         max_rows, max_width, ceiling = engine.warm_trim()

@@ -10,8 +10,13 @@ is why it is built here and not shipped. If there is no compiler, or the build f
 `NANOSERVE_NATIVE=0` is set, `native()` is None and the engine keeps the pure-PyTorch path,
 which computes the same thing (tests/test_kernels.py holds the two together).
 
-The one kernel so far is `decode_attention` (csrc/paged_attention.cpp): decode attention read
-in place from the paged pools, instead of gathering each row's window into a padded copy.
+The kernels (csrc/, bound in module.cpp):
+* `decode_attention` (paged_attention.cpp): decode attention read in place from the paged
+  pools, instead of gathering each row's window into a padded copy (days 58-59);
+* `quant_linear`, `dequantize`, `embed_rows` (quant.cpp): products over matrices held as a
+  GGUF's Q4_1 or Q8_0 blocks, widened in registers (quant.py, day 60);
+* `fused_decode` (quant.cpp): a whole Llama decode step in one call, its glue in C++ instead of
+  ~70 torch ops a block (model.Llama.fused_decode, day 61).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import os
 import threading
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name("csrc") / "paged_attention.cpp"]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "quant.cpp")]
+_HEADERS = [_CSRC / "nanoserve.h"]
 _lock = threading.Lock()
 _ext = None
 _status: str | None = None  # None: not tried yet
@@ -55,7 +62,7 @@ def build_location() -> tuple[str, Path]:
     import torch
     from torch.utils.cpp_extension import _get_build_directory
 
-    h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES))
+    h = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS))
     h.update(f"{torch.__file__}|{sys.prefix}".encode())
     name = f"nanoserve_native_{h.hexdigest()[:12]}"
     build_dir = Path(_get_build_directory(name, verbose=False))

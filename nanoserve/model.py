@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.errors import NanoserveError
+from nanoserve.quant import QuantTensor
 
 
 class KVCache(Protocol):
@@ -113,6 +114,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     * A weight `pack_linears` has reordered for oneDNN goes straight to oneDNN's GEMM, which
       beats both of the above from a few rows up (the engine's default on CPU, phase 6).
     """
+    if isinstance(w, QuantTensor):  # a GGUF's blocks (quant.py)
+        return w.linear(x)
     if x.device.type != "cpu":
         return F.linear(x, w)
     if w.is_mkldnn:  # prepacked by `pack_linears`
@@ -289,6 +292,8 @@ class Llama(nn.Module):
         # The tables are kept in the model's dtype: transformers casts cos/sin to it before rotating.
         self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
+        self.weights = str(dtype).removeprefix("torch.")  # what the matrices hold; quant.py sets q4_1/q8_0
+        self._fused = None  # the fused step's operand lists, built on its first call
 
     @property
     def device(self) -> torch.device:
@@ -315,6 +320,72 @@ class Llama(nn.Module):
             x = x[logits_at]  # (M, H): only the rows whose next token we sample
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return linear(x, self.head).float()  # (M, V)
+
+    # --- one decode step in one call (phase 6) ------------------------------------------------
+
+    def fused_status(self) -> str | None:
+        """None when `fused_decode` can run this model, else why not."""
+        from nanoserve.kernels import native, native_status
+
+        if self.device.type != "cpu":
+            return f"the fused decode step is a CPU kernel; this model is on {self.device.type}"
+        if self.dtype != torch.float32:
+            return f"the fused decode step computes in fp32; this model's activations are {self.dtype}"
+        if getattr(self.head, "is_mkldnn", False):
+            return "the linears are packed for oneDNN, which the fused step cannot read (linear='plain')"
+        if native() is None:
+            return f"the native kernels are {native_status()}"
+        return None
+
+    def fused_decode(self, plan, cache) -> torch.Tensor:
+        """A decode plan (one token a row) run as one native call (csrc/quant.cpp): the same
+        computation as `forward` through `cache.view(plan)` with native attention, its glue
+        (norms, rotary, K/V writes, SiLU, residuals) in C++ instead of ~70 torch ops a block.
+        Logits (B, vocab) fp32, one row per plan row."""
+        from nanoserve.kernels import native
+
+        if self._fused is None:
+            mats, kinds = [], []
+
+            def add(w):
+                if isinstance(w, QuantTensor):
+                    mats.append(w.blocks), kinds.append(w.code)
+                else:
+                    mats.append(w.detach().contiguous()), kinds.append(0)
+
+            add(self.embed)
+            norms = []
+            for b in self.blocks:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    add(getattr(b, name))
+                norms += [b.input_norm.detach(), b.post_norm.detach()]
+            add(self.head)
+            norms.append(self.norm.detach())
+            int8 = isinstance(self.head, QuantTensor) and self.head.activations == "int8"
+            self._fused = (mats, kinds, norms, int8)
+        mats, kinds, norms, int8 = self._fused
+        cache.ensure_pools()
+        cfg = self.cfg
+        return native().fused_decode(
+            plan.input_ids,
+            plan.positions,
+            plan.write_slots,
+            plan.slot_window,
+            plan.context_lens,
+            mats,
+            kinds,
+            norms,
+            cache.k,
+            cache.v,
+            self.cos,
+            self.sin,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.rms_norm_eps,
+            int8,
+        )
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -358,6 +429,21 @@ class Llama(nn.Module):
         extra = sorted(set(sd) - used - {"lm_head.weight"} - {k for k in sd if "rotary_emb" in k})
         if extra:
             raise NanoserveError(f"the weights hold tensors this Llama config does not use: {extra[:5]}")
+
+
+def model_weight_bytes(model: Llama) -> int:
+    """Bytes the model's weights occupy (a tied head counted once), quantized or not."""
+    from nanoserve.quant import weight_bytes
+
+    seen, total = set(), 0
+    ws = [model.embed, model.head, model.norm]
+    for b in model.blocks:
+        ws += [b.input_norm, b.post_norm] + [getattr(b, n) for n in ("qkv", "o", "gate_up", "down")]
+    for w in ws:
+        if id(w) not in seen:
+            seen.add(id(w))
+            total += weight_bytes(w)
+    return total
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:

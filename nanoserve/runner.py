@@ -42,8 +42,10 @@ class ModelRunner:
         inputs=None,
         capture: bool = False,
         graph_budget: int = 512 * 2**20,
+        fused: bool = False,
     ):
         self.model, self.cache, self.block_size = model, cache, block_size
+        self.fused = fused  # decode steps as one native call (Llama.fused_decode, phase 6)
         self.slot_table, self.buckets, self.inputs = slot_table, buckets, inputs
         self.capture = capture
         self.graphs: dict[tuple[int, int], HostGraph | CudaGraph] = {}  # (rows, width) -> graph
@@ -89,6 +91,8 @@ class ModelRunner:
             self.slot_table.release(seq)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
+        if self.fused and plan.is_decode:
+            return self.model.fused_decode(plan, self.cache)
         return self.model(plan.input_ids, plan.positions, self.cache.view(plan), logits_at=plan.logits_at)
 
     @torch.inference_mode()

@@ -85,6 +85,25 @@ def pool_dict(engine: Engine) -> dict:
     return dataclasses.asdict(plan) | {"num_slots": plan.num_slots, "describe": plan.describe()}
 
 
+def paths_dict(engine: Engine) -> dict:
+    """What the weights are and which way each part of a step runs (engine.paths_line)."""
+    from nanoserve.model import model_weight_bytes
+
+    model = engine.model
+    quantized = model.weights in ("q4_1", "q8_0")
+    return {
+        "weights": model.weights,
+        "activations": model.head.activations if quantized else model.weights,
+        "weight_bytes": model_weight_bytes(model),
+        "linears": engine.linear,
+        "decode_step": engine.decode_step,
+        # the fused step is one native call for any batch shape: nothing is compiled or recorded
+        # per shape, so it adds nothing to the warm list
+        "decode_step_setup_s": 0.0,
+        "decode_attention": engine.cache.attention,
+    }
+
+
 def warm_dict(engine: Engine) -> dict | None:
     """The warm plan as /health reports it, with what recorded graphs hold now."""
     runner = engine.runner
@@ -105,6 +124,11 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     p, w = engine.pool, engine.warm_report
     warm = f"{w.graphs} graphs in {w.seconds:.2f} s, {w.bytes / 1e6:.1f} MB" if w else "none"
     where = f" · listening on http://{address}" if address else ""
+    if engine.model.weights in ("q4_1", "q8_0") or engine.decode_step == "fused":
+        from nanoserve.quant import describe_weights
+
+        # the fused step has no per-shape setup (nothing compiled or recorded): 0 s at boot
+        where = f" · weights {describe_weights(engine.model)} · decode step {engine.decode_step}" + where
     pool_mb = p.num_blocks * p.bytes_per_block / 1e6
     return (
         f"nanoserve: {engine.model_name} · {p.dtype} on {engine.model.device.type} · KV pool "
@@ -216,6 +240,7 @@ def create_app(
             "max_model_len": eng.max_model_len,
             "pool": pool_dict(eng),
             "warm": warm_dict(eng),
+            "paths": paths_dict(eng),
             "running": len(eng.scheduler.running),
             "waiting": len(eng.scheduler.waiting),
             "kv_blocks_used": eng.allocator.num_used,

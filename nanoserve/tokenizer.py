@@ -7,7 +7,7 @@ here exactly as it does there. `IncrementalDetokenizer` turns a stream of genera
 text pieces that never cut a UTF-8 character in half.
 
 `bpe_from_vocab` (Day 2) builds the `tokenizers` object from the vocabulary fields of a GGUF;
-reading the GGUF and writing the directory is `weights.py`'s business. When to stop generating
+reading the GGUF and writing the directory is `gguf_file.py`'s business. When to stop generating
 (EOS, stop strings) belongs to the generation loop, which only asks this module for `eos_ids`.
 """
 
@@ -95,7 +95,7 @@ def check_messages(messages) -> None:
             )
 
 
-# --- a tokenizer from a GGUF's vocabulary (weights.py writes it out as tokenizer.json) ---
+# --- a tokenizer from a GGUF's vocabulary (gguf_file.py writes it out as tokenizer.json) ---
 
 # The split regex of Llama 3's tokenizer.json (llama.cpp calls its pre-tokenizer 'llama-bpe').
 LLAMA3_SPLIT = (

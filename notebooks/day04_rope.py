@@ -437,7 +437,7 @@ display(Image(filename=png))
 #   halves: section 4's two layouts as one function with a stride. Llama-3 scaling arrives as
 #   per-frequency factors, the `rope_freqs` tensor (`n_rot/2` values) that `get_rope_factors`
 #   hands to `ggml_rope_ext`; our converter recovers Meta's four parameters from those factors
-#   (`_llama3_rope_scaling` in `nanoserve/weights.py`).
+#   (`_llama3_rope_scaling` in `nanoserve/gguf_file.py`).
 #
 # ## Try it
 #

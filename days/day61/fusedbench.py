@@ -1,0 +1,221 @@
+"""Day 61's benchmark: a decode step as torch ops against the same step as one native call.
+
+SmolLM2-135M-Instruct decodes `rows` requests at once through two engines that differ only in
+`EngineConfig.decode_step`: "ops" (the model's torch ops, plain fp32 or Q4_1 linears) and
+"fused" (`Llama.fused_decode`, csrc/quant.cpp). Weights are the GGUF's own Q4_1 blocks
+(`load_gguf_model`) or fp32 (`load_model`, linears plain: the fused step cannot read oneDNN's
+packed layout). For each (weights, rows, step):
+
+* the aten ops one engine decode step dispatches (a TorchDispatchMode counts them, the ones
+  C++ dispatches from inside the native call included), and those of the forward alone;
+* the step's wall time, the best of `reps` steps, the two engines alternating step by step;
+* the weights' bytes and what reading them once costs at the measured read bandwidth.
+
+`day-61-compile.csv` is the other way to remove per-op cost: `torch.compile` (inductor, default
+mode) on the ops path's forward at batch 1, fp32: `torch._dynamo.explain`'s graphs and breaks,
+the first call's seconds, and the step after.
+
+    python days/day61/fusedbench.py                    # rows 1, 4, 16; both weights; compile
+    python days/day61/fusedbench.py --rows 1 --reps 5 --no-compile --out /tmp/f.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanoserve.bench import cpu_line, read_bandwidth_gbs
+from nanoserve.config import EngineConfig
+from nanoserve.course import write_csv
+from nanoserve.engine import Engine
+from nanoserve.model import LlamaConfig, load_model, model_weight_bytes
+from nanoserve.quant import load_gguf_model
+from nanoserve.sampling import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights import fetch_default_gguf, fetch_default_model
+
+HERE = Path(__file__).resolve().parent
+CSV = HERE / "day-61-fused.csv"
+COMPILE_CSV = HERE / "day-61-compile.csv"
+QUESTIONS = (
+    "What is 2 + 2?",
+    "Name a colour.",
+    "Say hi.",
+    "Why is the sky blue?",
+)
+
+
+class OpCount(TorchDispatchMode):
+    """Counts every aten op dispatched while it is on, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__)
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def load(weights: str):
+    """The default model with `weights` "q4_1" (the GGUF's own blocks) or "fp32", and its tokenizer."""
+    model_dir = fetch_default_model()
+    if weights == "q4_1":
+        model = load_gguf_model(fetch_default_gguf(), LlamaConfig.from_dir(model_dir), "q4_1")
+    else:
+        model = load_model(model_dir)
+    return model, Tokenizer.from_dir(model_dir)
+
+
+def decoding_engine(model, tok, step: str, rows: int, max_tokens: int = 200) -> Engine:
+    """An engine whose `rows` requests are past their prompts: its next step() is a decode step."""
+    config = EngineConfig(
+        max_batch=rows, decode_step=step, linear="plain", max_model_len=256, kv_budget=rows * 2**24
+    )
+    eng = Engine(model, tok, config)
+    for i in range(rows):
+        question = QUESTIONS[i % len(QUESTIONS)] + " " * (i // len(QUESTIONS))
+        eng.add_request(
+            [{"role": "user", "content": question}], SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
+    while eng.step_kinds["decode"] == 0:
+        eng.step()
+    assert eng.decode_step == step and len(eng.scheduler.running) == rows
+    return eng
+
+
+def count_step(eng: Engine) -> tuple[int, int]:
+    """(aten ops of one engine decode step, of its forward alone)."""
+    forward, inner = eng.runner._forward, OpCount()
+
+    def counted(plan):
+        with inner:
+            return forward(plan)
+
+    eng.runner._forward = counted
+    with OpCount() as whole:
+        eng.step()
+    del eng.runner._forward
+    return whole.total, inner.total
+
+
+def best_steps(engines: dict[str, Engine], reps: int) -> dict[str, float]:
+    """Seconds of one decode step, the best of `reps`, the engines taking turns."""
+    best = dict.fromkeys(engines, float("inf"))
+    for _ in range(reps):
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.step()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def measure(model, tok, weights: str, rows: int, reps: int, bandwidth: float) -> list[dict]:
+    engines = {step: decoding_engine(model, tok, step, rows) for step in ("ops", "fused")}
+    counts = {step: count_step(eng) for step, eng in engines.items()}
+    seconds = best_steps(engines, reps)
+    weight_mb = model_weight_bytes(model) / 1e6
+    weights_ms = weight_mb * 1e6 / (bandwidth * 1e9) * 1e3
+    out = []
+    for step in ("ops", "fused"):
+        ms = seconds[step] * 1e3
+        out.append(
+            {
+                "weights": weights,
+                "rows": rows,
+                "step": step,
+                "ops_step": counts[step][0],
+                "ops_forward": counts[step][1],
+                "weight_mb": round(weight_mb, 1),
+                "step_ms": round(ms, 2),
+                "token_ms": round(ms / rows, 2),
+                "weights_ms": round(weights_ms, 2),
+                "rest_ms": round(max(ms - weights_ms, 0.0), 2),
+            }
+        )
+    ops, fused = out
+    removed = ops["ops_step"] - fused["ops_step"]
+    us = (ops["step_ms"] - fused["step_ms"]) * 1e3 / removed
+    for row in out:
+        row["us_per_removed_op"] = round(us, 1)
+        row["speedup"] = round(ops["step_ms"] / fused["step_ms"], 2)
+    return out
+
+
+def compile_row(model, tok, reps: int) -> dict:
+    """torch.compile (inductor, default mode) on the ops path's forward of a batch-1 decode step."""
+    eng = decoding_engine(model, tok, "ops", 1)
+    runner = eng.runner
+    plan = runner.plan(eng.scheduler.schedule())
+
+    def forward(ids, positions):
+        return model(ids, positions, runner.cache.view(plan), logits_at=plan.logits_at)
+
+    row = {"target": "Llama.forward, decode, batch 1, fp32 plain", "backend": "inductor"}
+    try:
+        explained = torch._dynamo.explain(forward)(plan.input_ids, plan.positions)
+        row["graphs"] = explained.graph_count
+        row["graph_breaks"] = explained.graph_break_count
+        reasons = sorted({r.reason.splitlines()[0][:80] for r in explained.break_reasons})
+        row["first_break"] = reasons[0] if reasons else ""
+        torch._dynamo.reset()
+        compiled = torch.compile(forward)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            want = forward(plan.input_ids, plan.positions)
+            got = compiled(plan.input_ids, plan.positions)
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            row["max_diff"] = f"{(got - want).abs().max().item():.1e}"
+            best = {"eager": float("inf"), "compiled": float("inf")}
+            for _ in range(reps):
+                for name, fn in (("eager", forward), ("compiled", compiled)):
+                    t0 = time.perf_counter()
+                    fn(plan.input_ids, plan.positions)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        row["eager_ms"] = round(best["eager"] * 1e3, 2)
+        row["compiled_ms"] = round(best["compiled"] * 1e3, 2)
+        row["status"] = "ok"
+    except Exception as e:  # record what happened instead of stopping the benchmark
+        row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, action="append", help="decode rows (repeatable; default 1 4 16)")
+    ap.add_argument("--weights", action="append", choices=("q4_1", "fp32"))
+    ap.add_argument("--reps", type=int, default=12, help="steps timed per engine, best taken")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--out", type=Path, default=CSV)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(cpu_line())
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth {bandwidth:.1f} GB/s")
+    rows = []
+    for weights in args.weights or ["q4_1", "fp32"]:
+        model, tok = load(weights)
+        for n in args.rows or [1, 4, 16]:
+            for row in measure(model, tok, weights, n, args.reps, bandwidth):
+                row["bandwidth_gbs"] = round(bandwidth, 1)
+                print(row)
+                rows.append(row)
+        if weights == "fp32" and not args.no_compile:
+            crow = compile_row(model, tok, args.reps)
+            print(crow)
+            write_csv([crow], COMPILE_CSV)
+    write_csv(rows, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

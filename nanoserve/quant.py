@@ -1,0 +1,337 @@
+"""Weights as a GGUF file holds them: Q4_1 and Q8_0 blocks used in place (phase 6).
+
+    w = QuantTensor.from_gguf(reader_tensor)      # the file's bytes, no fp32 copy
+    w = QuantTensor.quantize(fp32_matrix, "q4_1") # or quantize a converted model at load
+    y = w.linear(x)                                # x (M, in) fp32 -> (M, out) fp32
+    rows = w[token_ids]                            # an embedding lookup, widened to fp32
+
+A block is 32 consecutive columns of one row. Q4_1 stores it in 20 bytes: an fp16 scale d, an
+fp16 minimum m and 32 four-bit codes (byte j holds column j in its low nibble and column j + 16
+in its high one), value = d * code + m. Q8_0 stores 34 bytes: an fp16 scale and 32 signed bytes,
+value = d * code. So a Q4_1 matrix is 0.625 bytes a weight against fp32's 4, and a decode step
+that streams every weight once reads 6.4x fewer bytes.
+
+The products run in the native kernel (`csrc/quant.cpp`), which widens each block to fp32 in
+registers as it goes: the weights it multiplies by are bit for bit the dequantized fp32 weights
+(`dequantize`), so against the dequantized model only the order of the sums differs. Without
+the native build, `linear` dequantizes the matrix with torch ops on every call and multiplies:
+the same numbers, slowly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanoserve.errors import NanoserveError
+
+BLOCK = 32
+KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # the native kernel's codes
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+WEIGHTS = ("q4_1", "q8_0")  # the quantized choices of EngineConfig.weights / --weights
+# What a quantized linear multiplies its blocks by. "fp32": x as it is, each block widened to fp32
+# in registers (the default: the dequantized model's numbers). "int8": each row of x quantized to
+# int8 per block of 32 (a scale per block) and the products integer multiply-adds, as llama.cpp
+# does with its Q8_1 activations (~2/3 of the time a block in isolation; about the same in a
+# whole decode step here, where the weights' bytes dominate).
+ACTIVATIONS = ("fp32", "int8")
+
+
+def _native():
+    from nanoserve.kernels import native
+
+    return native()
+
+
+class QuantTensor:
+    """An (out, in) matrix stored as rows of blocks: `blocks` is uint8 (out, in / 32 * bytes)."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, shape: tuple[int, int], activations: str = "fp32"):
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"kind is one of {', '.join(BLOCK_BYTES)}, not {kind!r}")
+        rows, cols = shape
+        if cols % BLOCK:
+            raise NanoserveError(f"a {kind} matrix has columns in blocks of 32; this one has {cols}")
+        row_bytes = cols // BLOCK * BLOCK_BYTES[kind]
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (rows, row_bytes):
+            raise NanoserveError(
+                f"a {kind} matrix of shape {shape} is uint8 ({rows}, {row_bytes}), "
+                f"not {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations are one of {', '.join(ACTIVATIONS)}, not {activations!r}")
+        self.blocks, self.kind, self.shape = blocks.contiguous(), kind, (rows, cols)
+        self.activations = activations
+
+    # --- building ------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, tensor) -> QuantTensor:
+        """A gguf.ReaderTensor of type Q4_1 or Q8_0, its bytes copied once out of the file's map."""
+        kind = tensor.tensor_type.name.lower()
+        data = np.array(tensor.data, dtype=np.uint8)  # (rows, row_bytes); a copy: the map is read-only
+        cols = int(tensor.shape[0])  # GGUF lists the fastest dimension first
+        return cls(torch.from_numpy(data), kind, (data.shape[0], cols))
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kind: str) -> QuantTensor:
+        """Quantize an fp32 (out, in) matrix with gguf's own quantizer (llama.cpp's rounding)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        qtype = GGMLQuantizationType[kind.upper()]
+        data = quantize(w.detach().float().cpu().numpy(), qtype)
+        return cls(torch.from_numpy(np.ascontiguousarray(data)), kind, tuple(w.shape))
+
+    def with_activations(self, activations: str) -> QuantTensor:
+        return QuantTensor(self.blocks, self.kind, self.shape, activations)
+
+    def permute_rows(self, index: torch.Tensor) -> QuantTensor:
+        """Rows reordered (blocks run along a row, so a row moves whole)."""
+        return QuantTensor(self.blocks[index], self.kind, self.shape, self.activations)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    @property
+    def code(self) -> int:
+        return KINDS[self.kind]
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 matrix the blocks stand for."""
+        ext = _native()
+        if ext is not None:
+            return ext.dequantize(self.blocks, self.code, *self.shape)
+        return dequantize_torch(self.blocks, self.kind, self.shape)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) @ W.T in fp32."""
+        ext = _native()
+        if ext is not None and x.device.type == "cpu":
+            return ext.quant_linear(
+                x.float().contiguous(), self.blocks, self.code, self.shape[0], self.activations == "int8"
+            )
+        x = x.float() if self.activations == "fp32" else int8_rows(x.float())
+        return F.linear(x, dequantize_torch(self.blocks, self.kind, self.shape))
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (N,) widened to fp32, (N, in): what an embedding lookup needs."""
+        ext = _native()
+        if ext is not None:
+            return ext.embed_rows(ids.reshape(-1).long(), self.blocks, self.code, self.shape[1])
+        return dequantize_torch(self.blocks[ids.reshape(-1)], self.kind, (ids.numel(), self.shape[1]))
+
+    def __repr__(self) -> str:
+        return f"QuantTensor({self.kind}, shape={self.shape}, {self.nbytes / 1e6:.2f} MB)"
+
+
+def dequantize_torch(blocks: torch.Tensor, kind: str, shape: tuple[int, int]) -> torch.Tensor:
+    """The blocks widened with plain torch ops: the reference the kernel is held to."""
+    rows, cols = shape
+    b = blocks.reshape(rows, cols // BLOCK, BLOCK_BYTES[kind])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, groups, 1)
+    if kind == "q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(rows, cols)
+    m = b[..., 2:4].contiguous().view(torch.float16).float()
+    qs = b[..., 4:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # columns 0-15 then 16-31
+    return (d * q + m).reshape(rows, cols)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (M, in) as the int8 path sees it: each block of 32 rounded to a multiple of its scale
+    max|x| / 127 (the values the kernel's integer sums stand for)."""
+    b = x.reshape(x.shape[0], -1, BLOCK)
+    d = b.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(b * torch.where(d > 0, 1 / d, 0))
+    return (q * d).reshape(x.shape)
+
+
+def weight_bytes(w) -> int:
+    """Bytes a weight occupies, whatever it is (a tensor, a packed tensor, a QuantTensor)."""
+    if isinstance(w, QuantTensor):
+        return w.nbytes
+    if getattr(w, "is_mkldnn", False):
+        return w.to_dense().numel() * w.element_size()
+    return w.numel() * w.element_size()
+
+
+# --- quantized models ----------------------------------------------------------------------
+
+MATRICES = ("qkv", "o", "gate_up", "down")  # a block's four matrices
+
+
+def _set(owner, name: str, value) -> None:
+    if name in owner._parameters:
+        delattr(owner, name)  # a Parameter: replaced by a plain attribute
+    setattr(owner, name, value)
+
+
+def quantize_model(model, weights: str, activations: str = "fp32") -> None:
+    """Quantize an fp32 model's matrices in place: "q4_1" puts the block matrices in Q4_1 and the
+    embedding (and head) in Q8_0, the mix llama.cpp's Q4_1 files hold; "q8_0" puts all in Q8_0.
+    Norms stay fp32."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights are one of {', '.join(WEIGHTS)}, not {weights!r}")
+    if getattr(model.head, "is_mkldnn", False):
+        raise ValueError("the model's linears are packed for oneDNN; quantize a freshly loaded model")
+    for b in model.blocks:
+        for name in MATRICES:
+            w = getattr(b, name)
+            _set(b, name, QuantTensor.quantize(w, weights).with_activations(activations))
+    tied = model.head is model.embed
+    embed = QuantTensor.quantize(model.embed, "q8_0").with_activations(activations)
+    _set(model, "embed", embed)
+    _set(
+        model,
+        "head",
+        embed if tied else QuantTensor.quantize(model.head, "q8_0").with_activations(activations),
+    )
+    model.weights, model._fused = weights, None
+
+
+def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
+    """A `Llama` whose matrices are the GGUF's own blocks: Q4_1 and Q8_0 tensors kept as the file
+    holds them, float tensors (F32, F16, BF16) as fp32. `weights` names the block matrices' kind
+    and must be what the file holds; a file whose matrices are in another type is refused."""
+    from nanoserve.gguf_file import _open_gguf, hf_name, unpermute_rotary_rows
+    from nanoserve.model import Llama
+
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights are one of {', '.join(WEIGHTS)}, not {weights!r}")
+    reader = _open_gguf(path)
+    model = Llama(cfg, dtype=torch.float32, device="cpu")
+    found: dict[str, object] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # the config already holds the scaling these frequencies come from
+        kind = t.tensor_type.name.lower()
+        name = hf_name(t.name).removeprefix("model.")
+        if kind in BLOCK_BYTES:
+            w = QuantTensor.from_gguf(t).with_activations(activations)
+        elif kind in ("f32", "f16", "bf16"):
+            from gguf.quants import dequantize
+
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        else:
+            raise NanoserveError(
+                f"{Path(path).name} holds {t.name} as {t.tensor_type.name}; nanoserve serves Q4_1, Q8_0 "
+                "and float tensors as a GGUF holds them (convert this file with import-gguf and serve "
+                "the fp32 model, or quantize that with --weights)"
+            )
+        if ".attn_q." in t.name or ".attn_k." in t.name:
+            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+            rows = w.shape[0]
+            order = unpermute_rotary_rows(torch.arange(rows), heads)
+            w = w.permute_rows(order) if isinstance(w, QuantTensor) else w[order]
+        found[name] = w
+
+    def take(name: str):
+        if name not in found:
+            raise NanoserveError(f"{Path(path).name} lacks the tensor {name!r} a Llama of this config needs")
+        return found.pop(name)
+
+    def fuse(parts: list, what: str):
+        kinds = {p.kind if isinstance(p, QuantTensor) else "f32" for p in parts}
+        if kinds == {"f32"}:
+            return torch.cat(parts).contiguous()
+        if len(kinds) > 1:
+            raise NanoserveError(
+                f"{Path(path).name} stores the parts of {what} in different types {sorted(kinds)}"
+            )
+        k = parts[0]
+        blocks = torch.cat([p.blocks for p in parts])
+        return QuantTensor(blocks, k.kind, (blocks.shape[0], k.shape[1]), activations)
+
+    def check(w, shape, what):
+        if tuple(w.shape) != tuple(shape):
+            raise NanoserveError(
+                f"{what} has shape {tuple(w.shape)} in the file, the config implies {tuple(shape)}"
+            )
+        return w
+
+    matrix_kinds = set()
+    for i, b in enumerate(model.blocks):
+        p = f"layers.{i}."
+        b.input_norm.copy_(take(p + "input_layernorm.weight"))
+        b.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+        mats = {
+            "qkv": fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], p + "qkv"),
+            "o": take(p + "self_attn.o_proj.weight"),
+            "gate_up": fuse(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], p + "gate_up"
+            ),
+            "down": take(p + "mlp.down_proj.weight"),
+        }
+        for name, w in mats.items():
+            _set(b, name, check(w, getattr(b, name).shape, p + name))
+            matrix_kinds.add(w.kind if isinstance(w, QuantTensor) else "f32")
+    model.norm.copy_(take("norm.weight"))
+    embed = check(take("embed_tokens.weight"), model.embed.shape, "embed_tokens")
+    head = found.pop("lm_head.weight", None)
+    _set(model, "embed", embed)
+    _set(
+        model,
+        "head",
+        embed if cfg.tie_word_embeddings or head is None else check(head, model.embed.shape, "lm_head"),
+    )
+    if found:
+        raise NanoserveError(
+            f"{Path(path).name} holds tensors this Llama config does not use: {sorted(found)[:5]}"
+        )
+    if matrix_kinds != {weights}:
+        raise NanoserveError(
+            f"--weights {weights} asks for {weights} block matrices; {Path(path).name} holds them as "
+            f"{', '.join(sorted(matrix_kinds))} (ask for that, or pass --model with the converted "
+            "directory to quantize its fp32 weights)"
+        )
+    model.weights, model._fused = weights, None
+    return model.eval()
+
+
+def describe_weights(model) -> str:
+    """'q4_1 (int8 activations), 98.1 MB' / 'float32, 538.2 MB'."""
+    from nanoserve.model import model_weight_bytes
+
+    mb = model_weight_bytes(model) / 1e6
+    w = getattr(model, "weights", None)
+    if w in WEIGHTS:
+        acts = model.blocks[0].qkv.activations if model.blocks else "int8"
+        return f"{w} ({acts} activations), {mb:.1f} MB"
+    return f"{str(model.dtype).removeprefix('torch.')}, {mb:.1f} MB"
+
+
+def load_quantized(config, model_dir):
+    """The model `build_engine` serves when config.weights names a quantized kind: the GGUF's
+    own blocks (config.gguf, or the default model's GGUF when no directory was named), else the
+    directory's fp32 weights quantized at load."""
+    from nanoserve.model import LlamaConfig, load_model
+    from nanoserve.weights import fetch_default_gguf
+
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"--weights {config.weights} runs on the CPU kernels (csrc/quant.cpp); on {device} "
+            "serve float32 or bfloat16 weights"
+        )
+    gguf = config.gguf or (fetch_default_gguf() if config.model is None else None)
+    if gguf is not None:
+        if not Path(gguf).is_file():
+            raise NanoserveError(f"the GGUF file {gguf} does not exist")
+        return load_gguf_model(
+            gguf, LlamaConfig.from_dir(model_dir), config.weights, config.quant_activations
+        )
+    model = load_model(model_dir, dtype=torch.float32)
+    quantize_model(model, config.weights, config.quant_activations)
+    return model

@@ -1,0 +1,409 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Day 61 — One decode step in one call: the per-op overhead, counted and removed
+#
+# A decode step of SmolLM2-135M is a long list of small torch operations: per block a norm, a
+# product, a rotary, a K/V write, attention, another product, a residual, and so on, 30 times,
+# then the head. Each of them is dispatched from Python, and each pays a few microseconds
+# before any arithmetic starts. Day 49 priced that at about 6.7 µs an op. With fp32 weights the
+# step has to read 538 MB, and the overhead hides behind that read. With day 60's Q4_1 blocks
+# it reads 97 MB, the read shrinks by more than five times, and the same list of ops costs what
+# it cost before: now the overhead is as large as the work.
+#
+# The engine's answer is `Llama.fused_decode`: the whole decode step written out in C++
+# (csrc/quant.cpp) and called once. `EngineConfig(decode_step="fused")` turns it on;
+# `"auto"` picks it for quantized weights. Prefill and mixed steps stay on the torch ops.
+#
+# 1. the ops of one engine decode step, counted, and their price against the weights' read,
+# 2. the same count for the fused step, and a batch-1 step timed both ways, fp32 and Q4_1,
+# 3. batch 4 and 16 from `days/day61/fusedbench.py`: ms a step and ms a token,
+# 4. `torch.compile` on the ops path, from the script's CSV,
+# 5. equality: one step's logits fused against ops on the same plan and pools, and greedy tokens,
+# 6. a fused step that writes the K/V one slot off, caught by the logits check,
+# 7. the diagram.
+
+# %%
+import csv
+import dataclasses
+import sys
+import time
+
+import matplotlib
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from IPython.display import Image, display
+
+from nanoserve.bench import cpu_line
+from nanoserve.contiguous import NoCache
+from nanoserve.course import REPO, diagram_path
+from nanoserve.model import load_model, model_weight_bytes
+from nanoserve.quant import describe_weights, quantize_model
+from nanoserve.sampling import SamplingParams
+from nanoserve.tokenizer import Tokenizer
+from nanoserve.weights import fetch_default_model
+
+sys.path.insert(0, str(REPO / "days" / "day61"))
+import fusedbench  # the day's script: the notebook calls its helpers and reads its CSVs
+
+torch.manual_seed(0)
+print(cpu_line())
+MODEL_DIR = fetch_default_model()
+t0 = time.perf_counter()
+model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
+print(f"SmolLM2-135M-Instruct, {describe_weights(model)}, loaded in {time.perf_counter() - t0:.1f} s")
+with open(REPO / "days" / "day61" / "day-61-fused.csv") as f:
+    CSV = list(csv.DictReader(f))
+
+
+def csv_row(weights, rows, step):
+    return next(r for r in CSV if (r["weights"], int(r["rows"]), r["step"]) == (weights, rows, step))
+
+
+# %% [markdown]
+# ## 1. What a decode step is, counted
+#
+# `fusedbench.decoding_engine` builds an engine whose requests are past their prompts, so its
+# next `step()` is a decode step. `fusedbench.OpCount` is a `TorchDispatchMode` that counts
+# every aten op dispatched while it is on. Here it counts one step of one row on the ops path,
+# fp32 weights, linears plain (not oneDNN-packed, because the fused step reads the plain layout
+# and the two should compare the same weights).
+
+# %%
+ops_engine = fusedbench.decoding_engine(model, tok, "ops", 1)
+with fusedbench.OpCount() as counted:
+    ops_engine.step()
+top = sorted(counted.ops.items(), key=lambda kv: -kv[1])[:8]
+print(f"one decode step, ops path: {counted.total} aten ops")
+print("most frequent:", ", ".join(f"{name} {n}" for name, n in top))
+assert counted.total == int(csv_row("fp32", 1, "ops")["ops_step"])
+
+# %% [markdown]
+# The script counted the same number (the assert holds it against the CSV), and the count does
+# not depend on the weights' values, only on the code path, the layers and the thread count.
+# Priced at day 49's 6.7 µs an op, and set against what reading the weights once costs at the
+# read bandwidth the script measured:
+
+# %%
+bandwidth = float(CSV[0]["bandwidth_gbs"])
+print(f"read bandwidth in the script's run: {bandwidth} GB/s")
+for weights in ("fp32", "q4_1"):
+    r = csv_row(weights, 1, "ops")
+    mb, n = float(r["weight_mb"]), int(r["ops_step"])
+    read_ms, overhead_ms = mb / bandwidth, n * 6.7e-3
+    print(
+        f"{weights:>5}: {mb:6.1f} MB of weights -> {read_ms:5.1f} ms to read;  "
+        f"{n} ops x 6.7 µs = {overhead_ms:4.1f} ms  (overhead / read = {overhead_ms / read_ms:.2f})"
+    )
+
+# %% [markdown]
+# The Q4_1 step has fewer ops (its linears are one native call each, where the plain fp32 linear
+# is several aten ops), but its read shrank far more. With fp32 weights the overhead is about 0.4
+# of the read; with Q4_1 it is more than the read itself, at day 49's price per op (and the
+# script's own price per removed op, section 2, is close to day 49's for Q4_1).
+#
+# ## 2. The fused step: what is left, and one row timed both ways
+#
+# The same count on an engine with `decode_step="fused"`. Inside the native call C++ still
+# dispatches a few aten ops of its own (the output tensors it allocates, for one), and around it
+# the runner and the engine keep theirs (sampling the next token, the plan's tensors).
+# `fusedbench.count_step` counts the whole step and the forward alone.
+
+# %%
+fused_engine = fusedbench.decoding_engine(model, tok, "fused", 1)
+print(fused_engine.paths_line())
+for name, eng in (("ops", fusedbench.decoding_engine(model, tok, "ops", 1)), ("fused", fused_engine)):
+    whole, forward = fusedbench.count_step(eng)
+    print(
+        f"{name:>5}: {whole:5d} aten ops a step, {forward:5d} of them in the forward, "
+        f"{whole - forward} around it"
+    )
+    assert (whole, forward) == (
+        int(csv_row("fp32", 1, name)["ops_step"]),
+        int(csv_row("fp32", 1, name)["ops_forward"]),
+    )
+
+# %% [markdown]
+# A batch-1 step timed live, the two engines taking turns, best of five (machines of this kind
+# are noisy, so these move from run to run; the table below is the script's run, taken the same way with
+# more steps).
+
+# %%
+best = fusedbench.best_steps({"ops": ops_engine, "fused": fused_engine}, 5)
+print(
+    f"fp32, 1 row: ops {best['ops'] * 1e3:.1f} ms, fused {best['fused'] * 1e3:.1f} ms "
+    "(their ratio moves with the load; the table's are from one run)"
+)
+del ops_engine, fused_engine
+
+COLS = (
+    "weights",
+    "rows",
+    "step",
+    "ops_step",
+    "weight_mb",
+    "step_ms",
+    "token_ms",
+    "weights_ms",
+    "us_per_removed_op",
+)
+
+
+def show(rows):
+    print("  ".join(f"{c:>17}" if i > 2 else f"{c:>7}" for i, c in enumerate(COLS)))
+    for r in rows:
+        cells = [r[c] + (" ms" if c.endswith("_ms") else " µs" if c.startswith("us_") else "") for c in COLS]
+        print("  ".join(f"{v:>17}" if i > 2 else f"{v:>7}" for i, v in enumerate(cells)))
+
+
+show([r for r in CSV if r["rows"] == "1"])
+
+# %% [markdown]
+# `us_per_removed_op` is the step time the fused step saved divided by the ops it removed: what
+# each op cost in the script's run. `weights_ms` is the weights' megabytes over the measured read
+# bandwidth, the floor for a step that reads every weight once.
+#
+# ## 3. More rows
+#
+# A decode step reads the weights once for all its rows, so the read is shared and the per-row
+# costs grow: the products do more arithmetic per byte read and the attention reads more K/V.
+# The op count stays nearly flat as rows are added, so the overhead the fused step removes is
+# shared too.
+
+# %%
+show([r for r in CSV if r["rows"] != "1"])
+for weights in ("q4_1", "fp32"):
+    for rows in (1, 4, 16):
+        o, f = csv_row(weights, rows, "ops"), csv_row(weights, rows, "fused")
+        print(f"{weights:>5} {rows:2d} rows: ops / fused = {float(o['step_ms']) / float(f['step_ms']):.2f}")
+
+# %% [markdown]
+# ## 4. The compiler's way, from the script
+#
+# `torch.compile` (inductor, default mode) is the other way to remove per-op cost: trace the ops
+# into graphs and generate fused C++ for them. The script tried it on the ops path's forward at
+# batch 1, fp32; `torch._dynamo.explain` counted the graphs and breaks first. The notebook only
+# reads the CSV (explaining and compiling take a while on 2 cores).
+
+# %%
+with open(REPO / "days" / "day61" / "day-61-compile.csv") as f:
+    compiled = next(csv.DictReader(f))
+for key, value in compiled.items():
+    unit = " ms" if key.endswith("_ms") else " s" if key.endswith("_s") else ""
+    print(f"{key:>13}: {value}{unit}")
+
+# %% [markdown]
+# The fused step needs no such per-shape setup: it is one C++ function built once per machine and
+# source (`nanoserve.kernels`, on first use), and any batch or width runs through it.
+#
+# ## 5. The same step, two ways: logits and tokens
+#
+# The test in tests/test_quant.py does this on a tiny model; here it is SmolLM2. Two requests are
+# prefilled, the next decode plan is built, the pools are copied, the fused step runs, the pools
+# are put back, and the ops path runs on the same plan and pools. The tolerance is set from what
+# the two differ by: the order of the sums differs (C++ loops against oneDNN/ATen kernels), so
+# the difference is rounding, around 1e-5 here; 1e-4 leaves room for that and not for a real bug.
+
+# %%
+from nanoserve.plan import plan_decode
+
+TOL = 1e-4
+
+
+def same_step(model, wrong=None):
+    """Max |fused - ops| over one decode step's logits on the same plan and pools."""
+    eng = fusedbench.decoding_engine(model, tok, "fused", 2)
+    plan = plan_decode(eng.scheduler.schedule().decode, eng.config.block_size, "cpu")
+    with torch.inference_mode():
+        k, v = [t.clone() for t in eng.cache.k], [t.clone() for t in eng.cache.v]
+        fused = model.fused_decode(wrong(plan) if wrong else plan, eng.cache)
+        for i in range(len(k)):
+            eng.cache.k[i].copy_(k[i]), eng.cache.v[i].copy_(v[i])
+        ops = model(plan.input_ids, plan.positions, eng.cache.view(plan), logits_at=plan.logits_at)
+    return (fused - ops).abs().max().item(), fused.shape
+
+
+diff_fp32, shape = same_step(model)
+print(f"fp32: logits {tuple(shape)}, max |fused - ops| = {diff_fp32:.0e}")
+assert diff_fp32 < TOL
+
+# %% [markdown]
+# Greedy tokens from two engines, one fused and one on ops, on three chat prompts. Where they
+# part, the near-tie rule of tests/test_engine.py applies: allowed only where the ops model's two
+# best logits are within 1e-4 of each other (none are needed here).
+
+# %%
+PROMPTS = [[{"role": "user", "content": q}] for q in fusedbench.QUESTIONS[:3]]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def top2_gap(model, tokens):
+    pos = torch.arange(len(tokens))
+    cache = NoCache()
+    cache.begin(pos)
+    with torch.inference_mode():
+        top = (
+            model(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
+            .topk(2)
+            .values
+        )
+    return (top[0] - top[1]).item()
+
+
+def tokens_both_ways(model):
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
+
+    outs = {}
+    for step in ("ops", "fused"):
+        eng = Engine(
+            model,
+            tok,
+            EngineConfig(max_batch=4, decode_step=step, linear="plain", max_model_len=256, kv_budget=2**26),
+        )
+        outs[step] = [o.token_ids for o in eng.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    ties = 0
+    for prompt, ref, got in zip(PROMPTS, outs["ops"], outs["fused"]):
+        if ref != got:
+            k = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+            gap = top2_gap(model, tok.encode_chat(prompt) + ref[:k])
+            assert gap < 1e-4, f"tokens differ at {k} with a top-2 gap of {gap:.2e}"
+            ties += 1
+    return outs, ties
+
+
+def equal(outs):
+    return sum(a == b for a, b in zip(outs["ops"], outs["fused"]))
+
+
+outs, ties = tokens_both_ways(model)
+for p, toks in zip(PROMPTS, outs["fused"]):
+    print(f"{p[0]['content']!r:<18} -> {tok.decode(toks)!r}")
+print(f"fp32: fused tokens equal the ops tokens on {equal(outs)} of 3 prompts, near-ties {ties}")
+
+# %% [markdown]
+# The same two checks with Q4_1 weights. To keep the notebook fast the fp32 model is quantized in
+# place here with `quantize_model` (block matrices in Q4_1, the embedding and tied head in Q8_0,
+# the mix of llama.cpp's Q4_1 files; the script loads the GGUF's own blocks, which is slower to
+# parse). Both give 96.6 MB of weights.
+
+# %%
+t0 = time.perf_counter()
+quantize_model(model, "q4_1")
+print(f"quantized in {time.perf_counter() - t0:.1f} s: {describe_weights(model)}")
+assert round(model_weight_bytes(model) / 1e6, 1) == float(csv_row("q4_1", 1, "ops")["weight_mb"])
+diff_q4, shape = same_step(model)
+print(f"q4_1: logits {tuple(shape)}, max |fused - ops| = {diff_q4:.0e}")
+assert diff_q4 < TOL
+outs, ties = tokens_both_ways(model)
+print(f"q4_1: fused tokens equal the ops tokens on {equal(outs)} of 3 prompts, near-ties {ties}")
+for name, eng in (
+    ("ops", fusedbench.decoding_engine(model, tok, "ops", 1)),
+    ("fused", fusedbench.decoding_engine(model, tok, "fused", 1)),
+):
+    whole, forward = fusedbench.count_step(eng)
+    print(f"q4_1 {name:>5}: {whole:5d} aten ops a step, {forward:5d} in the forward")
+    assert whole == int(csv_row("q4_1", 1, name)["ops_step"])
+
+# %% [markdown]
+# ## 6. A fused step built wrong
+#
+# The fused step writes each row's new K/V at the plan's `write_slots` and then attends over the
+# row's slot window, which ends at that slot. A version that writes one slot further on leaves
+# the last window entry holding whatever was there (zeros here) and puts the new key and value
+# where no window reads them. The logits check catches it.
+
+
+# %%
+def one_slot_off(plan):
+    return dataclasses.replace(plan, write_slots=plan.write_slots + 1)
+
+
+diff_wrong, _ = same_step(model, wrong=one_slot_off)
+try:
+    assert diff_wrong < TOL, f"max |fused - ops| = {diff_wrong:.2f}, above the tolerance {TOL:.0e}"
+    raise RuntimeError("the off-by-one K/V write went unnoticed")
+except AssertionError as e:
+    print("caught: K/V written one slot off ->", e)
+
+# %% [markdown]
+# ## 7. The diagram
+#
+# Per weights and path, ms a token split into the weights' read at the measured bandwidth
+# (shared among the rows) and everything else, at 1 row and at 16 rows.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=False)
+for ax, rows in zip(axes, (1, 16)):
+    labels, read, rest = [], [], []
+    for weights in ("fp32", "q4_1"):
+        for step in ("ops", "fused"):
+            r = csv_row(weights, rows, step)
+            per_read = float(r["weights_ms"]) / rows
+            labels.append(f"{weights}\n{step}")
+            read.append(per_read)
+            rest.append(max(float(r["token_ms"]) - per_read, 0.0))
+    ax.bar(labels, read, color="#4c72b0", label="weights' bytes at the read bandwidth")
+    ax.bar(labels, rest, bottom=read, color="#dd8452", label="the rest (ops, arithmetic, K/V)")
+    for i, (a, b) in enumerate(zip(read, rest)):
+        ax.text(i, a + b, f"{a + b:.1f}", ha="center", va="bottom", fontsize=9)
+    ax.set_title(f"{rows} row{'s' if rows > 1 else ''} a step: ms a token")
+    ax.set_ylabel("ms a token")
+axes[0].legend(fontsize=8, loc="upper right")
+fig.suptitle(f"SmolLM2-135M decode, ops vs fused (2 threads, {bandwidth} GB/s read)")
+fig.tight_layout()
+png = diagram_path("day61-fused_step.png")
+fig.savefig(png, dpi=100, bbox_inches="tight")
+plt.close(fig)
+display(Image(filename=png))
+
+# %% [markdown]
+# ## In the real systems
+#
+# * **vLLM and SGLang** face the same per-step overhead on a GPU as kernel launches: a decode
+#   step of a small model is hundreds of short kernels, each with a few microseconds of launch
+#   cost. Both record the decode forward as CUDA graphs for a list of batch sizes at startup
+#   (vLLM's `cudagraph_capture_sizes` in its compilation config, SGLang's `--cuda-graph-max-bs`)
+#   and replay one graph a step; our days 51-56 built that idea for the CPU with `HostGraph`.
+#   A graph removes the launches but keeps the kernels; fusing them is a separate step.
+# * **llama.cpp** builds a ggml compute graph for each batch (`llama_build_graph` in older
+#   trees, per-architecture builders such as `build_llama` since) and runs it on the CPU backend
+#   with `ggml_graph_compute` over one `ggml_threadpool`: no interpreter between nodes, and the
+#   node kernels read the Q4_1/Q8_0 blocks directly. The fused step here is that design with the
+#   graph unrolled by hand for one model family.
+# * **torch.compile / inductor** traces the torch ops into FX graphs and, on CPU, generates C++
+#   with OpenMP loops (the `cpp` backend), fusing the elementwise glue (norms, SiLU, residuals)
+#   into a few kernels. On the ops path here it breaks the graph at the calls into our pybind
+#   kernels, among other places; section 4's CSV counts the breaks.
+# * **TensorRT-LLM** compiles the model into an engine of fused kernels (fused QKV with rotary,
+#   fused attention, fused MLP activations, and a GEMM plus bias plus activation plugin) and, on
+#   top, can capture the generation step in CUDA graphs.
+#
+# ## Try it
+#
+# 1. Run `python days/day61/fusedbench.py --rows 1 --rows 64 --weights q4_1 --no-compile --out
+#    /tmp/f.csv` and check that `ops_step` of the ops path barely moves with the rows while
+#    `step_ms` does: at which row count does the fused step's speedup fall under 1.2?
+# 2. Break the rotary instead of the K/V write: set `model.cos = torch.roll(model.cos, 1, 0)`
+#    (and `sin`), reset `model._fused = None`, and run `same_step(model)`: the assert of section 5
+#    must fail with a difference above `TOL`.
+# 3. Count the ops of one *prefill* step of a fused engine with `fusedbench.OpCount` and check that
+#    it equals the ops engine's (prefill stays on torch ops).
+# 4. Price your own machine: take `us_per_removed_op` from your CSV and the q4_1 `weights_ms`, and
+#    predict the batch-1 ops step as `weights_ms + ops_step x us_per_removed_op`; compare with
+#    `step_ms`.

@@ -1,0 +1,383 @@
+"""Weights as a GGUF holds them (quant.py, csrc/quant.cpp) and the fused decode step.
+
+Tolerances, and where they come from:
+
+* Dequantizing is exact: d * code + m with an fp16 d and a 4-bit (or 8-bit) code is exact in
+  fp32 before the add, so the kernel's weights, torch's and gguf's numpy ones are the same bits.
+* A product over K columns in fp32, summed in any order, is within K * 2**-24 * sum|x||w| of
+  the exact one (the textbook bound gamma_K); the kernel and torch's matmul both sit inside it.
+* The int8 path rounds each block of x to a multiple of its scale d_x = max|x| / 127, which moves
+  the product by at most (d_x / 2) * sum|w| over the block: that bound, plus gamma_K, is its
+  tolerance against fp32 activations.
+* A whole model's logits have no such bound; they are held to the fp32 model within 1e-3, ten
+  times what reordered fp32 sums moved them here (1.1e-4 on SmolLM2 from its own GGUF; oneDNN's
+  reordered GEMM moves them ~1e-4 too). Greedy tokens must be equal, or part at a near-tie of the
+  reference run (tests/test_engine.py's rule).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.errors import NanoserveError
+from nanoserve.generate import greedy_tokens
+from nanoserve.kernels import native, native_status
+from nanoserve.model import LlamaConfig, load_model, model_weight_bytes
+from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows, load_gguf_model, quantize_model
+from nanoserve.sampling import SamplingParams
+from tests.test_engine import check_same_or_near_tie
+from tests.test_weights import hf_tiny_weights, write_tiny_gguf
+
+needs_native = pytest.mark.skipif(native() is None, reason=f"the native kernels are {native_status()}")
+U = 2.0**-24
+
+
+def gamma_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """K * u * |x| @ |w|.T: how far any fp32 summation order may land from the exact product."""
+    return x.shape[1] * U * (x.abs().double() @ w.abs().double().T)
+
+
+def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().T
+
+
+def random_matrix(rows, cols, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g)
+
+
+# --- blocks and their numbers ----------------------------------------------------------------
+
+
+def test_the_gguf_blocks_dequantize_to_the_same_bits_everywhere(smollm_gguf):
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(smollm_gguf))
+    tensors = {t.name: t for t in reader.tensors}
+    for name in ("blk.0.ffn_down.weight", "blk.7.attn_q.weight", "token_embd.weight"):
+        t = tensors[name]
+        q = QuantTensor.from_gguf(t)
+        ref = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type)))
+        assert q.kind == t.tensor_type.name.lower()
+        assert torch.equal(dequantize_torch(q.blocks, q.kind, q.shape), ref), name
+        assert torch.equal(q.dequantize(), ref), name  # the kernel's widening (or torch's, without it)
+        ids = torch.tensor([0, 3, q.shape[0] - 1])
+        assert torch.equal(q[ids], ref[ids]), name  # the embedding lookup
+    # a widening that reads the nibbles the other way round is told apart
+    t = tensors["blk.0.ffn_down.weight"]
+    q = QuantTensor.from_gguf(t)
+    b = q.blocks.reshape(q.shape[0], -1, 20)
+    swapped = torch.cat([b[..., :4], (b[..., 4:] >> 4) | (b[..., 4:] << 4)], dim=-1).reshape(q.blocks.shape)
+    wrong = dequantize_torch(swapped, "q4_1", q.shape)
+    assert not torch.equal(wrong, torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_quantize_round_trips_through_gguf_and_refuses_ragged_rows(kind):
+    w = random_matrix(40, 96, seed=1)
+    q = QuantTensor.quantize(w, kind)
+    assert q.blocks.shape == (40, 96 // 32 * {"q4_1": 20, "q8_0": 34}[kind])
+    step = (w.amax(1) - w.amin(1)).max() / 15 if kind == "q4_1" else w.abs().amax() / 127
+    assert (q.dequantize() - w).abs().max() <= step  # within one code of the original
+    with pytest.raises(NanoserveError, match="blocks of 32"):
+        QuantTensor(torch.zeros(4, 20, dtype=torch.uint8), kind, (4, 48))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_the_kernel_product_is_within_the_fp32_bound(kind, rows):
+    w = QuantTensor.quantize(random_matrix(72, 160, seed=rows), kind)
+    wd = w.dequantize()
+    x = torch.randn(rows, 160) * 3
+    y = w.linear(x)
+    bound = gamma_bound(x, wd)
+    assert ((y.double() - exact(x, wd)).abs() <= bound).all()
+    assert ((F.linear(x, wd).double() - exact(x, wd)).abs() <= bound).all()  # torch's own, the same bound
+    # the product of a widening that dropped Q4_1's minimum (or Q8_0's sign) is far outside it
+    if kind == "q4_1":
+        b = w.blocks.reshape(72, -1, 20).clone()
+        b[..., 2:4] = 0  # m = +0.0
+        wrong = dequantize_torch(b.reshape(w.blocks.shape), kind, w.shape)
+    else:
+        wrong = wd.abs()
+    assert ((y.double() - exact(x, wrong)).abs() > bound).any()
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_int8_activations_are_the_rounded_x_and_within_their_bound(kind):
+    w = QuantTensor.quantize(random_matrix(64, 128, seed=3), kind).with_activations("int8")
+    wd = w.dequantize()
+    x = torch.randn(6, 128) * torch.rand(6, 1) * 4
+    y = w.linear(x)
+    xr = int8_rows(x)  # what the integer sums stand for
+    assert ((y.double() - exact(xr, wd)).abs() <= gamma_bound(xr, wd) * 4).all()
+    # against fp32 activations: at most half a step of x's scale per column, block by block
+    dx = x.reshape(6, -1, 32).abs().amax(-1) / 127  # (rows, blocks)
+    wsum = wd.abs().reshape(64, -1, 32).sum(-1)  # (out, blocks)
+    bound = (dx.double() / 2) @ wsum.double().T + gamma_bound(x, wd) * 4
+    diff = (y.double() - exact(x, wd)).abs()
+    assert (diff <= bound).all()
+    assert diff.max() > 1e-4  # and it is a real difference, not the fp32 path under another name
+
+
+# --- a GGUF of quantized tensors, end to end (tiny) ------------------------------------------
+
+
+def write_quant_gguf(path, sd, kind, heads=4, kv_heads=2):
+    """write_tiny_gguf, with every block matrix quantized to `kind` (the embedding and head too)."""
+    import gguf
+    from gguf.quants import quantize
+
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    real = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, t, *a, **k):
+        if t.ndim == 2:
+            return real(self, name, quantize(t, qtype), raw_dtype=qtype)
+        return real(self, name, t, *a, **k)
+
+    gguf.GGUFWriter.add_tensor = add
+    try:
+        return write_tiny_gguf(path, sd, heads=heads, kv_heads=kv_heads)
+    finally:
+        gguf.GGUFWriter.add_tensor = real
+
+
+@pytest.fixture(scope="module")
+def tiny_q(tmp_path_factory):
+    """A tiny llama GGUF of Q4_1 matrices, and its fp32 conversion (the dequantized reference)."""
+    from nanoserve.weights import import_gguf
+
+    root = tmp_path_factory.mktemp("quant")
+    sd = hf_tiny_weights(vocab=260, hidden=64, ffn=96, heads=4, kv_heads=2, layers=2, seed=5)
+    sd = {k: v * 0.3 for k, v in sd.items()}  # tamer activations than unit-variance weights give
+    path = write_quant_gguf(root / "tiny-q4_1.gguf", sd, "q4_1")
+    ref_dir = import_gguf(path, root / "tiny-ref")
+    return path, ref_dir
+
+
+def prefill(model, ids):
+    from nanoserve.contiguous import ContiguousKVCache
+
+    cache = ContiguousKVCache(model.cfg, len(ids) + 1)
+    pos = torch.arange(len(ids))
+    cache.begin(pos)
+    return model(torch.tensor(ids), pos, cache)
+
+
+def test_a_quantized_gguf_loads_as_its_blocks_and_matches_its_fp32_conversion(tiny_q, monkeypatch):
+    path, ref_dir = tiny_q
+    cfg = LlamaConfig.from_dir(ref_dir)
+    qm = load_gguf_model(path, cfg, "q4_1")
+    ref = load_model(ref_dir)
+    assert isinstance(qm.blocks[0].qkv, QuantTensor) and qm.blocks[0].qkv.kind == "q4_1"
+    assert model_weight_bytes(qm) < model_weight_bytes(ref) / 4
+    ids = [5, 17, 200, 33, 9, 101, 64]
+    diff = (prefill(qm, ids) - prefill(ref, ids)).abs().max().item()
+    assert diff < 1e-3, diff
+    # the loader must undo llama.cpp's Q/K row order on the blocks too: skipping it is caught
+    import nanoserve.gguf_file as gguf_file
+
+    monkeypatch.setattr(gguf_file, "unpermute_rotary_rows", lambda w, n: w)
+    wrong = load_gguf_model(path, cfg, "q4_1")
+    assert (prefill(wrong, ids) - prefill(ref, ids)).abs().max().item() > 1e-2
+
+
+def test_the_gguf_loader_refuses_what_it_cannot_serve(tiny_q, tmp_path):
+    path, ref_dir = tiny_q
+    cfg = LlamaConfig.from_dir(ref_dir)
+    with pytest.raises(NanoserveError, match="holds them as q4_1"):
+        load_gguf_model(path, cfg, "q8_0")
+    sd = hf_tiny_weights(vocab=260, hidden=64, ffn=96, seed=5)
+    other = write_quant_gguf(tmp_path / "q5.gguf", sd, "q5_0")
+    with pytest.raises(NanoserveError, match="as Q5_0; nanoserve serves Q4_1, Q8_0 and float"):
+        load_gguf_model(other, cfg, "q4_1")
+
+
+def test_engine_config_refuses_quantized_combinations_it_does_not_run():
+    for kw, msg in [
+        (dict(weights="q4_0"), "weights must be q4_1 or q8_0"),
+        (dict(weights="q4_1", dtype="bfloat16"), "quantized weights compute in float32"),
+        (dict(gguf="x.gguf"), "give weights q4_1 or q8_0 with it"),
+        (dict(quant_activations="int4"), "quant_activations must be int8 or fp32"),
+        (dict(decode_step="graph"), "decode_step must be auto, fused or ops"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            EngineConfig(**kw).validate()
+    from nanoserve.quant import load_quantized
+
+    with pytest.raises(ValueError, match="runs on the CPU kernels"):
+        load_quantized(EngineConfig(weights="q4_1", device="cuda"), None)
+
+
+# --- the fused decode step ---------------------------------------------------------------------
+
+
+def engine_tokens(model, prompts, step, max_tokens=12, **kw):
+    cfg = dict(max_batch=4, block_size=4, decode_step=step, max_num_batched_tokens=64) | kw
+    eng = Engine(model, None, EngineConfig(**cfg))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    assert eng.decode_step == step
+    return [o.token_ids for o in outs], eng
+
+
+@needs_native
+@pytest.mark.parametrize("weights", ["float32", "q4_1", "q8_0", "q4_1/int8"])
+def test_the_fused_step_gives_the_tokens_of_the_torch_ops(tiny_q, weights):
+    path, ref_dir = tiny_q
+    kind, _, acts = weights.partition("/")
+    model = load_model(ref_dir)
+    if kind != "float32":
+        quantize_model(model, kind, acts or "fp32")
+    prompts = [[5, 17, 200], [9, 9, 9, 9, 1, 2], [100], [33, 44, 55, 66, 77]]
+    kw = {} if kind != "float32" else dict(linear="plain")
+    ops, _ = engine_tokens(model, prompts, "ops", **kw)
+    fused, eng = engine_tokens(model, prompts, "fused", **kw)
+    assert eng.runner.fused and eng.step_kinds["decode"] > 0
+    ties = []
+    for p, a, b in zip(prompts, ops, fused):
+        check_same_or_near_tie(model, p, a, b, ties)
+    assert len(ties) <= 1
+    if kind == "q4_1" and not acts:  # and both equal the dequantized model's own greedy tokens
+        ref = load_model(ref_dir)
+        for p, b in zip(prompts, fused):
+            check_same_or_near_tie(ref, p, greedy_tokens(ref, p, 12), b, ties)
+
+
+@needs_native
+def test_the_fused_step_logits_equal_the_ops_step_and_a_broken_one_is_caught(tiny_q, monkeypatch):
+    """One decode step both ways on the same plan and pools; then a fused step whose rotary
+    tables are off by one position (a planted bug) is outside the tolerance."""
+    from nanoserve.plan import plan_decode
+
+    path, ref_dir = tiny_q
+    model = load_gguf_model(path, LlamaConfig.from_dir(ref_dir), "q4_1")
+    eng = Engine(model, None, EngineConfig(max_batch=4, block_size=4, decode_step="fused"))
+    for p in ([5, 17, 200, 7], [9, 9, 9, 9, 1, 2]):
+        eng.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.step()  # the prompts
+    batch = eng.scheduler.schedule()
+    plan = plan_decode(batch.decode, 4, "cpu")
+    with torch.inference_mode():
+        k = [t.clone() for t in eng.cache.k]
+        v = [t.clone() for t in eng.cache.v]
+        fused = model.fused_decode(plan, eng.cache)
+        for i in range(len(k)):  # the same pools again for the ops path
+            eng.cache.k[i].copy_(k[i]), eng.cache.v[i].copy_(v[i])
+        ops = model(plan.input_ids, plan.positions, eng.cache.view(plan), logits_at=plan.logits_at)
+        assert (fused - ops).abs().max().item() < 1e-4
+        model._fused = None
+        monkeypatch.setattr(model, "cos", torch.roll(model.cos, 1, 0))
+        monkeypatch.setattr(model, "sin", torch.roll(model.sin, 1, 0))
+        wrong = model.fused_decode(plan, eng.cache)
+        assert (wrong - ops).abs().max().item() > 1e-3
+
+
+def test_fused_is_refused_with_the_reason_where_it_cannot_run(tiny_q):
+    path, ref_dir = tiny_q
+    model = load_model(ref_dir, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_step='fused' is not possible here: .*fp32"):
+        Engine(model, None, EngineConfig(max_batch=2, decode_step="fused"))
+    plain = load_model(ref_dir)
+    eng = Engine(plain, None, EngineConfig(max_batch=2))
+    assert eng.decode_step == "ops"  # fp32 weights keep the torch ops unless fused is asked for
+
+
+# --- the default model ---------------------------------------------------------------------------
+
+HELD = [
+    "What is the capital of France?",
+    "Write a haiku about a cache.",
+    "List three prime numbers.",
+]
+
+
+@needs_native
+def test_smollm_q4_1_from_its_gguf_gives_the_fp32_models_tokens(smollm_dir, smollm_gguf):
+    """The default model's own Q4_1 blocks, fp32 activations, through the fused step and the ops:
+    logits within 1e-3 of the fp32 model converted from the same file, greedy tokens equal to it."""
+    from nanoserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm_dir)
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in HELD]
+    ref = load_model(smollm_dir)
+    qm = load_gguf_model(smollm_gguf, LlamaConfig.from_dir(smollm_dir), "q4_1")
+    assert 90e6 < model_weight_bytes(qm) < 100e6  # the file's 98 MB, not 538 MB of fp32
+    diff = (prefill(qm, prompts[0]) - prefill(ref, prompts[0])).abs().max().item()
+    assert diff < 1e-3, diff
+    refs = [greedy_tokens(ref, p, 24) for p in prompts]
+    ties = []
+    for step in ("fused", "ops"):
+        eng = Engine(qm, tok, EngineConfig(max_batch=4, decode_step=step))
+        outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+        for p, r, o in zip(prompts, refs, outs):
+            check_same_or_near_tie(ref, p, r, o.token_ids, ties)
+    assert not ties, ties
+
+
+@needs_native
+def test_the_server_serves_q4_1_and_health_says_so(smollm_dir):
+    """`build_engine` with weights q4_1 behind `create_app`, asked through the openai client:
+    the fp32 model's greedy tokens; /health names the weights, their bytes and the fused step."""
+    import httpx
+    import openai
+
+    from nanoserve.course import served
+    from nanoserve.engine import build_engine
+    from nanoserve.tokenizer import Tokenizer
+
+    eng = build_engine(EngineConfig(weights="q4_1", max_batch=4, max_model_len=1024, kv_budget=64 * 2**20))
+    tok = Tokenizer.from_dir(smollm_dir)
+    prompt = tok.encode_chat([{"role": "user", "content": HELD[0]}])
+    ref = greedy_tokens(load_model(smollm_dir), prompt, 16)
+    with served(eng) as url:
+        health = httpx.get(f"{url}/health").json()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(
+            model=eng.model_name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+    assert health["paths"]["weights"] == "q4_1" and health["paths"]["decode_step"] == "fused"
+    assert health["paths"]["activations"] == "fp32" and 90e6 < health["paths"]["weight_bytes"] < 100e6
+    assert out.choices[0].text == tok.decode(ref)
+
+
+@needs_native
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_without_the_native_build_the_torch_path_computes_the_same(monkeypatch, activations):
+    """No compiler here: QuantTensor falls back to torch ops (dequantize, then matmul) and the
+    engine to the ops step; the numbers stay within the fp32 bound of the kernel's."""
+    import nanoserve.kernels as kernels
+
+    w = QuantTensor.quantize(random_matrix(48, 96, seed=9), "q4_1").with_activations(activations)
+    x = torch.randn(3, 96)
+    fast, wd = w.linear(x), w.dequantize()
+    monkeypatch.setattr(kernels, "_status", "unavailable (no compiler)")
+    monkeypatch.setattr(kernels, "_ext", None)
+    slow = w.linear(x)
+    xs = x if activations == "fp32" else int8_rows(x)
+    assert ((fast.double() - slow.double()).abs() <= 2 * gamma_bound(xs, wd) + 1e-6).all()
+    assert torch.equal(w.dequantize(), wd)
+
+
+@needs_native
+def test_the_fused_step_under_buckets_and_capture_gives_the_same_tokens(tiny_q):
+    """What `nanoserve serve` runs: decode bucketed, at fixed addresses and replayed from a
+    recorded graph, each replay one fused call; padded rows write to the sink and read nothing."""
+    path, ref_dir = tiny_q
+    model = load_gguf_model(path, LlamaConfig.from_dir(ref_dir), "q4_1")
+    prompts = [[5, 17, 200], [9, 9, 9, 9, 1, 2], [100], [33, 44, 55, 66, 77]]
+    ops, _ = engine_tokens(model, prompts, "ops")
+    captured, eng = engine_tokens(
+        model, prompts, "fused", bucket_decode=True, persist_inputs=True, capture_decode=True
+    )
+    assert eng.runner.graphs and eng.runner.fused
+    ties = []
+    for p, a, b in zip(prompts, ops, captured):
+        check_same_or_near_tie(model, p, a, b, ties)
+    assert len(ties) <= 1
