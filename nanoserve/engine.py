@@ -175,14 +175,18 @@ class Engine:
         return "plain"
 
     def paths_line(self) -> str:
-        """Which way each part runs: 'paths: weights q4_1 (fp32 activations), 96.6 MB, linears
-        q4_1, decode step fused, decode attention native, schedule budget'."""
+        """Which way each part runs: 'paths: linears packed, decode attention native, schedule
+        budget'; with quantized weights or the fused step, also what the weights are and which
+        step runs: 'paths: weights q4_1 (fp32 activations), 96.6 MB, linears q4_1, decode step
+        fused, decode attention native, schedule budget'."""
         from nanoserve.quant import describe_weights
 
-        return (
-            f"paths: weights {describe_weights(self.model)}, linears {self.linear}, decode step "
-            f"{self.decode_step}, decode attention {self.cache.attention}, schedule {self.config.schedule}"
-        )
+        linears, attention = f"linears {self.linear}", f"decode attention {self.cache.attention}"
+        schedule = f"schedule {self.config.schedule}"
+        if self.model.weights in ("q4_1", "q8_0") or self.decode_step == "fused":
+            weights, step = f"weights {describe_weights(self.model)}", f"decode step {self.decode_step}"
+            return f"paths: {weights}, {linears}, {step}, {attention}, {schedule}"
+        return f"paths: {linears}, {attention}, {schedule}"
 
     @staticmethod
     def _decode_step(model, config: EngineConfig, attention: str) -> str:
