@@ -82,32 +82,25 @@ def decode_rate(run, n_tokens: int) -> tuple[float, list[int]]:
     return (n_tokens - 1) / max(tn - t1, 1e-9), tokens
 
 
-def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
+def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> tuple[dict, list[int]]:
     import transformers
 
     from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
     from nanoserve.generate import greedy_tokens
     from nanoserve.model import load_model
-    from nanoserve.sampling import SamplingParams
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
     ours = load_model(model_dir, dtype=dtype)
     ours_rate, ours_tokens = decode_rate(lambda n: greedy_tokens(ours, prompt, n), n_tokens)
+    # counted before the engine packs the matrices in place (packed ones are no longer parameters)
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     # the same request through the batched engine (paged cache, scheduler, plan per step)
     engine = Engine(ours, tok, EngineConfig(max_batch=1))
-    engine_rate, engine_tokens = decode_rate(
-        lambda n: (
-            engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)[
-                0
-            ].token_ids
-        ),
-        n_tokens,
-    )
+    engine_rate, engine_tokens = decode_rate(lambda n: engine_tokens_of(engine, prompt, n), n_tokens)
     engine = None
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     fused_rate, fused_same = None, None
     if dtype == torch.float32:  # the whole step in one native call, on the weights as loaded
         plain = load_model(model_dir, dtype=dtype)
@@ -151,7 +144,7 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> dict:
         "fused_vs_eager": "n/a"
         if fused_rate is None
         else ("equal" if fused_same is None else f"differ at {fused_same}"),
-    }
+    }, ours_tokens
 
 
 def engine_tokens_of(engine, prompt: list[int], n: int) -> list[int]:
@@ -454,7 +447,9 @@ def cmd_decode(args) -> None:
     print(f"model {model_dir.name}, {threads} threads, read bandwidth {bandwidth:.1f} GB/s")
     rows, reference = [], None
     for dtype in dtypes[args.dtype]:
-        row = bench_decode(model_dir, dtype, args.tokens)
+        row, tokens = bench_decode(model_dir, dtype, args.tokens)
+        if dtype == torch.float32:
+            reference = tokens  # the fp32 model's eager greedy tokens, which the q4_1 rows are held to
         row["roofline_tok_s"] = round(bandwidth * 1e9 / (row["weight_mb"] * 1e6), 1)
         rows.append(row)
         fused = (
@@ -470,16 +465,13 @@ def cmd_decode(args) -> None:
             f"{row['roofline_tok_s']:.1f} tok/s ({row['weight_mb']:.0f} MB a token)   "
             f"greedy tokens differ at: {row['first_token_difference']}"
         )
-    if args.dtype in ("float32", "both") or args.quant:
+    if args.quant and reference is None:  # the fp32 model's greedy tokens, the q4_1/fp32 rows' reference
+        from nanoserve.generate import greedy_tokens
         from nanoserve.model import load_model
         from nanoserve.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_dir(model_dir)
-        prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
-        if args.quant:  # the fp32 model's greedy tokens, which the q4_1/fp32 rows are held to
-            from nanoserve.generate import greedy_tokens
-
-            reference = greedy_tokens(load_model(model_dir), prompt, args.tokens)
+        prompt = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+        reference = greedy_tokens(load_model(model_dir), prompt, args.tokens)
     quant_rows = []
     gguf = Path(args.gguf) if args.gguf else (fetch_default_gguf() if args.model is None else None)
     if args.quant and gguf is None:

@@ -179,11 +179,11 @@ class Engine:
         budget'; with quantized weights or the fused step, also what the weights are and which
         step runs: 'paths: weights q4_1 (fp32 activations), 96.6 MB, linears q4_1, decode step
         fused, decode attention native, schedule budget'."""
-        from nanoserve.quant import describe_weights
+        from nanoserve.quant import WEIGHTS, describe_weights
 
         linears, attention = f"linears {self.linear}", f"decode attention {self.cache.attention}"
         schedule = f"schedule {self.config.schedule}"
-        if self.model.weights in ("q4_1", "q8_0") or self.decode_step == "fused":
+        if self.model.weights in WEIGHTS or self.decode_step == "fused":
             weights, step = f"weights {describe_weights(self.model)}", f"decode step {self.decode_step}"
             return f"paths: {weights}, {linears}, {step}, {attention}, {schedule}"
         return f"paths: {linears}, {attention}, {schedule}"

@@ -61,6 +61,7 @@ from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
 from nanoserve.loop import Accepted, EngineLoop, Refused
 from nanoserve.metrics import Metrics
+from nanoserve.quant import WEIGHTS, describe_weights
 from nanoserve.responses import Answer, Choice, EventStream, Scores, WhenDone
 from nanoserve.sampling import SamplingParams
 
@@ -90,7 +91,7 @@ def paths_dict(engine: Engine) -> dict:
     from nanoserve.model import model_weight_bytes
 
     model = engine.model
-    quantized = model.weights in ("q4_1", "q8_0")
+    quantized = model.weights in WEIGHTS
     return {
         "weights": model.weights,
         "activations": model.head.activations if quantized else model.weights,
@@ -124,9 +125,7 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     p, w = engine.pool, engine.warm_report
     warm = f"{w.graphs} graphs in {w.seconds:.2f} s, {w.bytes / 1e6:.1f} MB" if w else "none"
     where = f" · listening on http://{address}" if address else ""
-    if engine.model.weights in ("q4_1", "q8_0") or engine.decode_step == "fused":
-        from nanoserve.quant import describe_weights
-
+    if engine.model.weights in WEIGHTS or engine.decode_step == "fused":
         # the fused step has no per-shape setup (nothing compiled or recorded): 0 s at boot
         where = f" · weights {describe_weights(engine.model)} · decode step {engine.decode_step}" + where
     pool_mb = p.num_blocks * p.bytes_per_block / 1e6

@@ -29,6 +29,7 @@ from nanoserve.model import LlamaConfig, load_model, model_weight_bytes
 from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows, load_gguf_model, quantize_model
 from nanoserve.sampling import SamplingParams
 from tests.test_engine import check_same_or_near_tie
+from tests.test_model import prefill_logits
 from tests.test_weights import hf_tiny_weights, write_tiny_gguf
 
 needs_native = pytest.mark.skipif(native() is None, reason=f"the native kernels are {native_status()}")
@@ -162,15 +163,6 @@ def tiny_q(tmp_path_factory):
     return path, ref_dir
 
 
-def prefill(model, ids):
-    from nanoserve.contiguous import ContiguousKVCache
-
-    cache = ContiguousKVCache(model.cfg, len(ids) + 1)
-    pos = torch.arange(len(ids))
-    cache.begin(pos)
-    return model(torch.tensor(ids), pos, cache)
-
-
 def test_a_quantized_gguf_loads_as_its_blocks_and_matches_its_fp32_conversion(tiny_q, monkeypatch):
     path, ref_dir = tiny_q
     cfg = LlamaConfig.from_dir(ref_dir)
@@ -179,14 +171,14 @@ def test_a_quantized_gguf_loads_as_its_blocks_and_matches_its_fp32_conversion(ti
     assert isinstance(qm.blocks[0].qkv, QuantTensor) and qm.blocks[0].qkv.kind == "q4_1"
     assert model_weight_bytes(qm) < model_weight_bytes(ref) / 4
     ids = [5, 17, 200, 33, 9, 101, 64]
-    diff = (prefill(qm, ids) - prefill(ref, ids)).abs().max().item()
+    diff = (prefill_logits(qm, ids) - prefill_logits(ref, ids)).abs().max().item()
     assert diff < 1e-3, diff
     # the loader must undo llama.cpp's Q/K row order on the blocks too: skipping it is caught
     import nanoserve.gguf_file as gguf_file
 
     monkeypatch.setattr(gguf_file, "unpermute_rotary_rows", lambda w, n: w)
     wrong = load_gguf_model(path, cfg, "q4_1")
-    assert (prefill(wrong, ids) - prefill(ref, ids)).abs().max().item() > 1e-2
+    assert (prefill_logits(wrong, ids) - prefill_logits(ref, ids)).abs().max().item() > 1e-2
 
 
 def test_the_gguf_loader_refuses_what_it_cannot_serve(tiny_q, tmp_path):
@@ -309,7 +301,7 @@ def test_smollm_q4_1_from_its_gguf_gives_the_fp32_models_tokens(smollm_dir, smol
     ref = load_model(smollm_dir)
     qm = load_gguf_model(smollm_gguf, LlamaConfig.from_dir(smollm_dir), "q4_1")
     assert 90e6 < model_weight_bytes(qm) < 100e6  # the file's 98 MB, not 538 MB of fp32
-    diff = (prefill(qm, prompts[0]) - prefill(ref, prompts[0])).abs().max().item()
+    diff = (prefill_logits(qm, prompts[0]) - prefill_logits(ref, prompts[0])).abs().max().item()
     assert diff < 1e-3, diff
     refs = [greedy_tokens(ref, p, 24) for p in prompts]
     ties = []
