@@ -145,25 +145,25 @@ inline void block_regs(const uint8_t* row, int64_t g, __m256* wv) {
     const float* p = reinterpret_cast<const float*>(row) + g * QK;
     for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_ps(p + 8 * i);
   } else if constexpr (KIND == 1) {
+    // Eight code bytes zero-extended to eight 32-bit lanes straight from memory: a lane's low
+    // nibble is its column's code, and the lane shifted right by 4 is the code 16 columns on
+    // (a byte's high nibble), so no mask is needed there and no byte shuffles at all.
     const uint8_t* p = row + g * 20;
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
     const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)));
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-    wv[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
-    wv[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
-    wv[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
-    wv[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    wv[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), m);  // columns 0-7
+    wv[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), m);  // 8-15
+    wv[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);    // 16-23
+    wv[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);    // 24-31
   } else {
     const uint8_t* p = row + g * 34;
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18));
-    wv[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)));
-    wv[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))));
-    wv[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
-    wv[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))));
+    for (int i = 0; i < 4; ++i)
+      wv[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * i)))));
   }
 }
 
