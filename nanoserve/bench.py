@@ -31,6 +31,7 @@ in one run, is the figure to quote. Each benchmark ends with one machine-readabl
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.course import write_csv
+from nanoserve.errors import NanoserveError
 
 
 def cpu_line() -> str:
@@ -739,6 +741,99 @@ def cmd_peers(args) -> None:
         write_csv([r | {"seed": seed} for r in rows], args.csv)
 
 
+TP_SHARE = re.compile(
+    r"tensor parallel rank (\d+)/(\d+): .*weights ([\d.]+) MB, KV pool ([\d.]+) MB \(([\d,]+) tokens\)"
+)
+TP_RATE = re.compile(r"(\d+) generated, first token ([\d.]+) s, decode ([\d.]+) tok/s")
+
+
+def tp_generate(ranks: int, args: list[str], timeout: float = 600) -> tuple[str, list[dict], dict]:
+    """`python -m nanoserve generate ARGS` as `ranks` processes (tp.spawn): rank 0's text, every
+    rank's share as rank 0 prints it, and rank 0's rate line."""
+    import subprocess
+
+    from nanoserve.tp import spawn
+
+    procs = spawn(
+        ranks,
+        ["-m", "nanoserve", "generate", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    if any(p.returncode for p in procs):
+        raise NanoserveError(f"a rank failed: {[o[1].strip().splitlines()[-1:] for o in outs]}")
+    err = outs[0][1]
+    shares = [
+        {
+            "rank": int(m[0]),
+            "weight_mb": float(m[2]),
+            "kv_pool_mb": float(m[3]),
+            "kv_tokens": int(m[4].replace(",", "")),
+        }
+        for m in TP_SHARE.findall(err)
+    ]
+    rate = TP_RATE.search(err)
+    return outs[0][0].rstrip("\n"), shares, {"generated": int(rate[1]), "decode_tok_s": float(rate[3])}
+
+
+def cmd_tp(args) -> None:
+    """Memory a rank holds under tensor parallelism against one process: weights and KV pool."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import build_engine
+    from nanoserve.model import LlamaConfig, model_weight_bytes
+    from nanoserve.tp import allowed_ranks, pool_bytes
+    from nanoserve.weights import resolve_model_dir
+
+    torch.set_num_threads(1)
+    print(cpu_line())
+    model_dir = resolve_model_dir(args.model)
+    counts = args.ranks or [n for n in allowed_ranks(LlamaConfig.from_dir(model_dir)) if n > 1]
+    gen = [args.prompt, "--max-tokens", str(args.tokens), "--ignore-eos", "--threads", "1"]
+    gen += ["--model", str(model_dir)] if args.model else []
+    # one process, the same command: its text and rate; its weights and pool measured here
+    text, _, rate = tp_generate(1, gen)
+    engine = build_engine(EngineConfig(model=args.model, max_batch=1, threads=1))
+    one = (
+        {
+            "ranks": 1,
+            "rank": 0,
+            "weight_mb": round(model_weight_bytes(engine.model) / 1e6, 1),
+            "kv_pool_mb": round(pool_bytes(engine.model, engine.pool.num_slots) / 1e6, 1),
+            "kv_tokens": engine.pool.num_slots,
+        }
+        | rate
+        | {"text_equal": True}
+    )
+    engine = None
+    rows = [one]
+    print(f"model {model_dir.name}: rank counts it allows {allowed_ranks(LlamaConfig.from_dir(model_dir))}")
+    print(
+        f"  1 process : weights {one['weight_mb']:.1f} MB, KV pool {one['kv_pool_mb']:.1f} MB "
+        f"({one['kv_tokens']:,} tokens), decode {one['decode_tok_s']:.1f} tok/s"
+    )
+    for n in counts:
+        got, shares, rate = tp_generate(n, gen)
+        for sh in shares:
+            rows.append({"ranks": n} | sh | rate | {"text_equal": got == text})
+        w = max(sh["weight_mb"] for sh in shares)
+        kv = max(sh["kv_pool_mb"] for sh in shares)
+        print(
+            f"  {n} ranks   : weights {w:.1f} MB a rank ({w / one['weight_mb']:.2f}x one process), "
+            f"KV pool {kv:.1f} MB a rank ({kv / one['kv_pool_mb']:.2f}x) for the same "
+            f"{shares[0]['kv_tokens']:,} tokens, decode {rate['decode_tok_s']:.1f} tok/s "
+            f"({rate['decode_tok_s'] / one['decode_tok_s']:.2f}x), text "
+            f"{'equal' if got == text else 'differs'}"
+        )
+    if args.csv:
+        write_csv(rows, args.csv)
+    print(
+        "RESULT tp "
+        + " ".join(f"{r['ranks']}r{r['rank']}:w={r['weight_mb']}MB,kv={r['kv_pool_mb']}MB" for r in rows)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -809,14 +904,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None)
+    p = sub.add_parser("tp", help="tensor parallelism: memory a rank holds against one process")
+    p.add_argument("--model", default=None)
+    p.add_argument("--ranks", type=int, nargs="*", default=None, help="rank counts (default: all it allows)")
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
-    from nanoserve.errors import NanoserveError
 
     commands = {
         "decode": cmd_decode,
         "throughput": cmd_throughput,
         "serve": lambda a: cmd_peers(a) if (a.url or a.nanoserve or a.llama_server) else cmd_serve(a),
         "admission": cmd_admission,
+        "tp": cmd_tp,
     }
     try:
         commands[args.bench](args)

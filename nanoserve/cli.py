@@ -55,6 +55,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        help="under torchrun: seconds every rank has to join the tensor-parallel group (default: 60)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -256,12 +262,30 @@ def load(args):
         max_batch=1,
         max_model_len=args.max_model_len,
         threads=args.threads,
+        join_timeout=args.join_timeout,
         **weights_options(args),
     )
+    if run_as_worker(config):
+        return None
     try:
         return build_engine(config)
     except ValueError as e:
         raise NanoserveError(str(e)) from None
+
+
+def run_as_worker(config) -> bool:
+    """Under torchrun, a rank other than 0 follows rank 0's steps instead of running the command
+    (tp.py); True once it has. Rank 0 (or a single process) runs the command."""
+    from nanoserve.tp import launched, run_worker
+
+    where = launched()
+    if where is None or where[0] == 0:
+        return False
+    try:
+        run_worker(config)
+    except ValueError as e:
+        raise NanoserveError(str(e)) from None
+    return True
 
 
 def stream(engine, prompt_ids, params, out=sys.stdout) -> str:
@@ -298,6 +322,8 @@ def stream(engine, prompt_ids, params, out=sys.stdout) -> str:
 def cmd_generate(args) -> None:
     params = sampling_params(args)
     engine = load(args)
+    if engine is None:  # a tensor-parallel worker: its part is done
+        return
     tokenizer = engine.tokenizer
     if args.raw:
         ids = tokenizer.encode(args.prompt)
@@ -312,6 +338,8 @@ def cmd_generate(args) -> None:
 def cmd_chat(args) -> None:
     params = sampling_params(args)
     engine = load(args)
+    if engine is None:
+        return
     tokenizer = engine.tokenizer
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -368,6 +396,7 @@ def cmd_serve(args) -> None:
             block_size=args.block_size,
             kv_budget=parse_bytes(args.kv_budget) if args.kv_budget else None,
             threads=args.threads,
+            join_timeout=args.join_timeout,
             bucket_decode=capture,
             persist_inputs=capture,
             capture_decode=capture,
@@ -384,6 +413,8 @@ def cmd_serve(args) -> None:
             if args.warm_max_width is not None
             else (None if on_cuda else 256),
         ).validate()
+        if run_as_worker(config):  # the server runs on rank 0 only
+            return
         serve(
             config,
             host=args.host,

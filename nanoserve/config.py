@@ -65,6 +65,8 @@ class EngineConfig:
     graph_budget: int = 512 * 2**20
     warm_max_rows: int | None = None
     warm_max_width: int | None = None
+    # tensor parallelism (tp.py, under torchrun): seconds every rank has to join the group
+    join_timeout: float = 60.0
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
@@ -106,6 +108,8 @@ class EngineConfig:
         for name in ("warm_max_rows", "warm_max_width"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.join_timeout > 0:
+            raise ValueError(f"join_timeout must be more than 0 seconds, got {self.join_timeout}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         return self

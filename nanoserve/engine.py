@@ -89,8 +89,11 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config.validate()
         self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
         dtype = model.dtype
+        tp = getattr(model, "tp", None)
         self.pool = plan_pool(
-            model.cfg,
+            # under tensor parallelism the pool is planned for the whole model (the same blocks as
+            # one process, so the same schedule); each rank holds its K/V heads' part (tp.py)
+            tp.full_cfg if tp is not None else model.cfg,
             dtype,
             block_size=config.block_size,
             budget_bytes=config.kv_budget,
@@ -493,6 +496,7 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
     server's /health reads it). The pool line and the warm line go to stderr."""
     from nanoserve.model import load_model
     from nanoserve.tokenizer import Tokenizer
+    from nanoserve.tp import launched
     from nanoserve.weights import resolve_model_dir
 
     on_phase = on_phase or (lambda phase: None)
@@ -502,21 +506,39 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
         torch.set_num_threads(config.threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = resolve_model_dir(config.model)
-    if config.weights:
+    tp = None
+    if launched():  # one rank of several (torchrun): this is rank 0's engine (tp.py)
+        from nanoserve import tp as tensor_parallel
+
+        config = tensor_parallel.engine_config(config)
+        model, tp = tensor_parallel.load_share(config, model_dir, torch.device(device))
+    elif config.weights:
         from nanoserve.quant import load_quantized
 
         model = load_quantized(config, model_dir)
     else:
         model = load_model(model_dir, dtype=getattr(torch, config.dtype), device=device)
-    if config.max_model_len and config.max_model_len > model.cfg.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} is longer than the model's context of "
-            f"{model.cfg.max_position_embeddings} tokens"
-        )
-    engine = Engine(model, Tokenizer.from_dir(model_dir), config)
+    try:
+        if config.max_model_len and config.max_model_len > model.cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is longer than the model's context of "
+                f"{model.cfg.max_position_embeddings} tokens"
+            )
+        engine = Engine(model, Tokenizer.from_dir(model_dir), config)
+    except Exception as e:
+        if tp is not None:  # the workers wait for rank 0's pool: tell them why it will not come
+            tp.fail_setup(str(e))
+        raise
     engine.model_name = model_dir.name
     print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
     print(engine.paths_line(), file=sys.stderr)
+    if tp is not None:
+        import atexit
+
+        tp.setup(engine)
+        atexit.register(tp.stop)  # the workers leave their loops when this process ends
+        for share in tp.shares:
+            print(f"nanoserve: tensor parallel {share.describe()}", file=sys.stderr)
     if config.capture_decode and config.warm:
         on_phase("warming")
         max_rows, max_width, ceiling = engine.warm_trim()

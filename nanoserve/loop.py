@@ -14,7 +14,8 @@ Faults are contained at three levels:
 * one row: the engine ends a row it cannot sample or detokenize with finish_reason "error";
   the rest of its step goes on (engine.py);
 * one step: a step that raises (a bug, not a bad request) ends the requests in flight with a
-  500 and the loop goes on;
+  500 and the loop goes on, unless the error says no later step can run (`fatal`, as a lost
+  tensor-parallel rank's `tp.RankLost` does): then the loop dies, as below;
 * the loop itself: anything that escapes it (its own hand-off code, say) marks it dead with
   the reason, ends every request in flight and every request still in the inbox, and calls
   `on_death(reason)` so the server can turn /health to 503 "failed". `submit` on a dead loop
@@ -155,7 +156,9 @@ class EngineLoop:
             return
         try:
             outs = self.engine.step()
-        except Exception:  # a bug, not a bad request: end what is in flight, keep serving
+        except Exception as e:  # a bug, not a bad request: end what is in flight, keep serving
+            if getattr(e, "fatal", False):  # no later step can run (a tensor-parallel rank died)
+                raise
             traceback.print_exc(file=sys.stderr)
             self._fail_all("the engine failed on this step; the request was aborted", 500)
             return

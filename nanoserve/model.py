@@ -256,6 +256,7 @@ class Block(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw), requires_grad=False)
+        self.tp = None  # under tensor parallelism (tp.py): the group whose all-reduces sum o and down
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
@@ -267,10 +268,16 @@ class Block(nn.Module):
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]  # (N, nh, hd), (N, nkv, hd)
         cache.write(self.layer, k, qkv[:, cfg.num_heads + cfg.num_kv_heads :])
         attn = cache.attention(self.layer, q)  # (N, nh, hd)
-        x = x + linear(attn.reshape(n, self.q_size), self.o)
+        out = linear(attn.reshape(n, self.q_size), self.o)
+        if self.tp is not None:  # this rank's heads' part of the projection: summed over ranks
+            out = self.tp.all_reduce(out)
+        x = x + out
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         gate, up = linear(h, self.gate_up).chunk(2, dim=-1)  # (N, I) each
-        return x + linear(F.silu(gate) * up, self.down)
+        out = linear(F.silu(gate) * up, self.down)
+        if self.tp is not None:  # this rank's MLP columns' part: summed over ranks
+            out = self.tp.all_reduce(out)
+        return x + out
 
 
 class Llama(nn.Module):
@@ -294,6 +301,7 @@ class Llama(nn.Module):
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
         self.weights = str(dtype).removeprefix("torch.")  # what the matrices hold; quant.py sets q4_1/q8_0
         self._fused = None  # the fused step's operand lists, built on its first call
+        self.tp = None  # tensor parallelism (tp.py): this rank's share of a model split over ranks
 
     @property
     def device(self) -> torch.device:
@@ -311,7 +319,8 @@ class Llama(nn.Module):
 
         input_ids, positions: (N,) for all tokens of the step, packed end to end.
         """
-        x = self.embed[input_ids]  # (N, H)
+        # under tensor parallelism each rank holds a slice of the vocabulary (tp.py)
+        x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)  # (N, H)
         cos = self.cos[positions].unsqueeze(1)  # (N, 1, hd)
         sin = self.sin[positions].unsqueeze(1)
         for block in self.blocks:
@@ -319,7 +328,8 @@ class Llama(nn.Module):
         if logits_at is not None:
             x = x[logits_at]  # (M, H): only the rows whose next token we sample
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return linear(x, self.head).float()  # (M, V)
+        logits = linear(x, self.head).float()  # (M, V)
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     # --- one decode step in one call (phase 6) ------------------------------------------------
 

@@ -91,6 +91,9 @@ class ModelRunner:
             self.slot_table.release(seq)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
+        tp = getattr(self.model, "tp", None)
+        if tp is not None:  # tensor parallel: every rank runs this plan (tp.py)
+            tp.announce(plan)
         if self.fused and plan.is_decode:
             return self.model.fused_decode(plan, self.cache)
         return self.model(plan.input_ids, plan.positions, self.cache.view(plan), logits_at=plan.logits_at)

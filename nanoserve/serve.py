@@ -105,6 +105,12 @@ def paths_dict(engine: Engine) -> dict:
     }
 
 
+def tp_dict(engine: Engine) -> dict:
+    """Under tensor parallelism: the rank count and each rank's share (tp.py); else nothing."""
+    tp = getattr(engine.model, "tp", None)
+    return {} if tp is None else {"tensor_parallel": tp.as_dict()}
+
+
 def warm_dict(engine: Engine) -> dict | None:
     """The warm plan as /health reports it, with what recorded graphs hold now."""
     runner = engine.runner
@@ -128,6 +134,9 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     if engine.model.weights in WEIGHTS or engine.decode_step == "fused":
         # the fused step has no per-shape setup (nothing compiled or recorded): 0 s at boot
         where = f" · weights {describe_weights(engine.model)} · decode step {engine.decode_step}" + where
+    tp = getattr(engine.model, "tp", None)
+    if tp is not None:
+        where = f" · tensor parallel {tp.world} ranks ({tp.backend})" + where
     pool_mb = p.num_blocks * p.bytes_per_block / 1e6
     return (
         f"nanoserve: {engine.model_name} · {p.dtype} on {engine.model.device.type} · KV pool "
@@ -243,7 +252,7 @@ def create_app(
             "running": len(eng.scheduler.running),
             "waiting": len(eng.scheduler.waiting),
             "kv_blocks_used": eng.allocator.num_used,
-        }
+        } | tp_dict(eng)
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -169,6 +169,7 @@ def test_a_quantized_gguf_loads_as_its_blocks_and_matches_its_fp32_conversion(ti
     qm = load_gguf_model(path, cfg, "q4_1")
     ref = load_model(ref_dir)
     assert isinstance(qm.blocks[0].qkv, QuantTensor) and qm.blocks[0].qkv.kind == "q4_1"
+    assert {getattr(b, n).layout for b in qm.blocks for n in ("qkv", "o", "gate_up", "down")} == {"split"}
     assert model_weight_bytes(qm) < model_weight_bytes(ref) / 4
     ids = [5, 17, 200, 33, 9, 101, 64]
     diff = (prefill_logits(qm, ids) - prefill_logits(ref, ids)).abs().max().item()
@@ -179,6 +180,33 @@ def test_a_quantized_gguf_loads_as_its_blocks_and_matches_its_fp32_conversion(ti
     monkeypatch.setattr(gguf_file, "unpermute_rotary_rows", lambda w, n: w)
     wrong = load_gguf_model(path, cfg, "q4_1")
     assert (prefill_logits(wrong, ids) - prefill_logits(ref, ids)).abs().max().item() > 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_the_split_layout_computes_the_gguf_layouts_numbers_bit_for_bit(kind, monkeypatch):
+    """A model's matrices are kept split (each row's scales first, quant.split_rows): the same
+    bytes reordered, so every widening, product and lookup equals the file layout's exactly."""
+    import nanoserve.kernels as kernels
+
+    for cols, seed in ((96, 1), (576, 2), (2080, 3)):  # 2080: more blocks than the kernel converts at once
+        w = QuantTensor.quantize(random_matrix(40, cols, seed=seed), kind)
+        s = w.split()
+        assert s.layout == "split" and s.nbytes == w.nbytes and torch.equal(s.gguf_blocks(), w.blocks)
+        assert torch.equal(s.dequantize(), w.dequantize())
+        ids = torch.tensor([3, 0, 39, 3])
+        assert torch.equal(s[ids], w[ids])
+        for rows in (1, 2, 5, 9):
+            x = torch.randn(rows, cols)
+            assert torch.equal(s.linear(x), w.linear(x)), (cols, rows)
+            assert torch.equal(s.with_activations("int8").linear(x), w.with_activations("int8").linear(x))
+    # a split row read as if it were the file's layout is another matrix altogether
+    wrong = QuantTensor(s.blocks, kind, s.shape)
+    assert not torch.allclose(wrong.dequantize(), w.dequantize())
+    # without the native build the torch path reads the split layout too
+    monkeypatch.setattr(kernels, "_status", "unavailable (no compiler)")
+    monkeypatch.setattr(kernels, "_ext", None)
+    assert torch.equal(s.dequantize(), dequantize_torch(w.blocks, kind, w.shape))
 
 
 def test_the_gguf_loader_refuses_what_it_cannot_serve(tiny_q, tmp_path):

@@ -6,7 +6,12 @@
 //      minimum m, then 16 bytes of 4-bit codes (byte j: column j in its low nibble, column j + 16
 //      in its high one). Column value = d * code + m.
 //   2  Q8_0: 34 bytes a block of 32: an fp16 scale d, then 32 signed bytes. Value = d * code.
-// These are llama.cpp's block layouts, so a tensor read from the file is used as it lies.
+// These are llama.cpp's block layouts, so a tensor read from the file is used as it lies. Kinds
+//   3  Q4_1 and 4  Q8_0 hold the same bytes of each row in another order ("split": quant.py's
+//      QuantTensor.split): the row's fp16 scales first (all G of them), then (Q4_1) its G minimums,
+//      then the blocks' codes end to end. A row's scales are then converted to fp32 eight at a time
+//      instead of one scalar conversion per block, the kernels' main cost besides the products.
+//      The values, and the order of every sum, are those of kinds 1 and 2.
 //
 // The kernels widen each block to fp32 in registers, with d * code + m computed as one fused
 // multiply-add: d has 11 significant bits and a code at most 8 (Q8_0) or 4 (Q4_1), so d * code
@@ -37,7 +42,8 @@ namespace {
 
 constexpr int64_t QK = 32;  // columns a block
 
-inline int64_t block_bytes(int64_t kind) { return kind == 1 ? 20 : kind == 2 ? 34 : QK * 4; }
+inline bool is_q4(int64_t kind) { return kind == 1 || kind == 3; }
+inline int64_t block_bytes(int64_t kind) { return kind == 0 ? QK * 4 : is_q4(kind) ? 20 : 34; }
 
 inline float half_to_float(uint16_t h) {
 #ifdef NANOSERVE_QAVX2
@@ -69,7 +75,7 @@ struct Weight {
 };
 
 Weight weight_of(const torch::Tensor& w, int64_t kind, int64_t rows, int64_t cols) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "weight kind is 0 (fp32), 1 (Q4_1) or 2 (Q8_0), not ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 4, "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), not ", kind);
   TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "weights are contiguous CPU tensors");
   if (kind == 0) {
     TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 2 && w.size(0) == rows && w.size(1) == cols,
@@ -83,21 +89,37 @@ Weight weight_of(const torch::Tensor& w, int64_t kind, int64_t rows, int64_t col
   return {w.data_ptr<uint8_t>(), kind, rows, cols, rb};
 }
 
+// Where block g of a quantized row keeps its scale, its minimum (Q4_1) and its codes, per kind.
+struct BlockRef {
+  const uint8_t* q;
+  uint16_t d, m;
+};
+
+inline BlockRef block_ref(int64_t kind, int64_t groups, const uint8_t* row, int64_t g) {
+  switch (kind) {
+    case 1: return {row + g * 20 + 4, load_u16(row + g * 20), load_u16(row + g * 20 + 2)};
+    case 2: return {row + g * 34 + 2, load_u16(row + g * 34), 0};
+    case 3: return {row + 4 * groups + 16 * g, load_u16(row + 2 * g), load_u16(row + 2 * groups + 2 * g)};
+    default: return {row + 2 * groups + 32 * g, load_u16(row + 2 * g), 0};
+  }
+}
+
 // Block g of a row as 32 floats (the portable path, and the tails).
 inline void block_to_floats(const Weight& w, const uint8_t* row, int64_t g, float* out) {
   if (w.kind == 0) {
     std::memcpy(out, row + g * QK * 4, QK * 4);
-  } else if (w.kind == 1) {
-    const uint8_t* p = row + g * 20;
-    const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
+    return;
+  }
+  const BlockRef b = block_ref(w.kind, w.cols / QK, row, g);
+  const float d = half_to_float(b.d);
+  if (is_q4(w.kind)) {
+    const float m = half_to_float(b.m);
     for (int j = 0; j < 16; ++j) {
-      out[j] = std::fma(d, static_cast<float>(p[4 + j] & 0x0F), m);
-      out[j + 16] = std::fma(d, static_cast<float>(p[4 + j] >> 4), m);
+      out[j] = std::fma(d, static_cast<float>(b.q[j] & 0x0F), m);
+      out[j + 16] = std::fma(d, static_cast<float>(b.q[j] >> 4), m);
     }
   } else {
-    const uint8_t* p = row + g * 34;
-    const float d = half_to_float(load_u16(p));
-    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b.q);
     for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q[j]);
   }
 }
@@ -138,33 +160,34 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// Block g of a row widened to four registers of 8 floats (columns 0-7, 8-15, 16-23, 24-31).
-template <int KIND>
-inline void block_regs(const uint8_t* row, int64_t g, __m256* wv) {
-  if constexpr (KIND == 0) {
-    const float* p = reinterpret_cast<const float*>(row) + g * QK;
-    for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_ps(p + 8 * i);
-  } else if constexpr (KIND == 1) {
+// A quantized block widened to four registers of 8 floats (columns 0-7, 8-15, 16-23, 24-31),
+// from its scale d and (Q4_1) minimum m already broadcast, and its codes q.
+template <bool Q4>
+inline void widen(__m256 d, __m256 m, const uint8_t* q, __m256* wv) {
+  if constexpr (Q4) {
     // Eight code bytes zero-extended to eight 32-bit lanes straight from memory: a lane's low
     // nibble is its column's code, and the lane shifted right by 4 is the code 16 columns on
     // (a byte's high nibble), so no mask is needed there and no byte shuffles at all.
-    const uint8_t* p = row + g * 20;
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
-    const __m256 m = _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2)));
-    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 4)));
-    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 12)));
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
     const __m256i mask = _mm256_set1_epi32(0x0F);
     wv[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)), m);  // columns 0-7
     wv[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)), m);  // 8-15
     wv[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);    // 16-23
     wv[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);    // 24-31
   } else {
-    const uint8_t* p = row + g * 34;
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(load_u16(p)));
     for (int i = 0; i < 4; ++i)
       wv[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * i)))));
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)))));
   }
+}
+
+// n halves from h to floats in out, eight at a time.
+inline void halves_to_floats(const uint8_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(load_u16(h + 2 * i));
 }
 
 // MR rows of x against outputs [n0, n1): each block widened once and used for all MR rows.
@@ -172,18 +195,42 @@ inline void block_regs(const uint8_t* row, int64_t g, __m256* wv) {
 template <int KIND, int MR>
 void rows_avx2(const float* x, const Weight& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int A = MR == 1 ? 4 : MR <= 4 ? 2 : 1;
+  constexpr bool Q4 = KIND == 1 || KIND == 3, SPLIT = KIND >= 3;
+  constexpr int64_t CHUNK = 64;  // blocks whose split scales are converted at once
   const int64_t groups = w.cols / QK, cols = w.cols;
+  alignas(32) float ds[CHUNK], ms[CHUNK];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes;
     __m256 acc[MR][A];
     for (int r = 0; r < MR; ++r)
       for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256 wv[4];
-      block_regs<KIND>(row, g, wv);
-      for (int r = 0; r < MR; ++r) {
-        const float* xr = x + r * cols + g * QK;
-        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) {
+      const int64_t g1 = std::min(groups, g0 + CHUNK);
+      if constexpr (SPLIT) {
+        halves_to_floats(row + 2 * g0, g1 - g0, ds);
+        if constexpr (Q4) halves_to_floats(row + 2 * groups + 2 * g0, g1 - g0, ms);
+      }
+      for (int64_t g = g0; g < g1; ++g) {
+        __m256 wv[4];
+        if constexpr (KIND == 0) {
+          const float* p = reinterpret_cast<const float*>(row) + g * QK;
+          for (int i = 0; i < 4; ++i) wv[i] = _mm256_loadu_ps(p + 8 * i);
+        } else if constexpr (KIND == 1) {
+          const uint8_t* p = row + g * 20;
+          widen<true>(_mm256_set1_ps(_cvtsh_ss(load_u16(p))), _mm256_set1_ps(_cvtsh_ss(load_u16(p + 2))), p + 4, wv);
+        } else if constexpr (KIND == 2) {
+          const uint8_t* p = row + g * 34;
+          widen<false>(_mm256_set1_ps(_cvtsh_ss(load_u16(p))), _mm256_setzero_ps(), p + 2, wv);
+        } else if constexpr (KIND == 3) {
+          widen<true>(_mm256_broadcast_ss(ds + g - g0), _mm256_broadcast_ss(ms + g - g0),
+                      row + 4 * groups + 16 * g, wv);
+        } else {
+          widen<false>(_mm256_broadcast_ss(ds + g - g0), _mm256_setzero_ps(), row + 2 * groups + 32 * g, wv);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * cols + g * QK;
+          for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
+        }
       }
     }
     for (int r = 0; r < MR; ++r) {
@@ -260,15 +307,14 @@ void rows_q8_portable(const XQ& xq, int64_t m, const Weight& w, float* y, int64_
         const int8_t* xb = xq.q.data() + r * w.cols + g * QK;
         const int64_t i = r * groups + g;
         int32_t dot = 0;
-        if (w.kind == 1) {
-          const uint8_t* p = row + g * 20;
-          for (int j = 0; j < 16; ++j) dot += (p[4 + j] & 0x0F) * xb[j] + (p[4 + j] >> 4) * xb[j + 16];
-          t += half_to_float(load_u16(p)) * xq.d[i] * static_cast<float>(dot) + half_to_float(load_u16(p + 2)) * xq.s[i];
+        const BlockRef b = block_ref(w.kind, groups, row, g);
+        if (is_q4(w.kind)) {
+          for (int j = 0; j < 16; ++j) dot += (b.q[j] & 0x0F) * xb[j] + (b.q[j] >> 4) * xb[j + 16];
+          t += half_to_float(b.d) * xq.d[i] * static_cast<float>(dot) + half_to_float(b.m) * xq.s[i];
         } else {
-          const uint8_t* p = row + g * 34;
-          const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+          const int8_t* q = reinterpret_cast<const int8_t*>(b.q);
           for (int j = 0; j < 32; ++j) dot += q[j] * xb[j];
-          t += half_to_float(load_u16(p)) * xq.d[i] * static_cast<float>(dot);
+          t += half_to_float(b.d) * xq.d[i] * static_cast<float>(dot);
         }
       }
       y[r * ldy + n] = t;
@@ -279,47 +325,76 @@ void rows_q8_portable(const XQ& xq, int64_t m, const Weight& w, float* y, int64_
 #ifdef NANOSERVE_QAVX2
 template <int KIND, int MR>
 void rows_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  // A row's blocks are taken CHUNK at a time: first their scales d (and Q4_1's minimums m) as
+  // floats (eight conversions at once from the split layout, one by one from the file's), each
+  // block's d * xd for every row of x, and the minimums' term m * xd * sum(xq) summed in a
+  // vector; then the integer products, one FMA a block and row. No scalar chain runs through
+  // the blocks, which a per-block `sum += m * s` was (its add's latency every block).
+  constexpr bool Q4 = KIND == 1 || KIND == 3, SPLIT = KIND >= 3;
+  constexpr int64_t CHUNK = 64;
+  constexpr int A = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // independent FMA chains a row
   const int64_t groups = w.cols / QK, cols = w.cols;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i mask = _mm_set1_epi8(0x0F);
+  alignas(32) float ds[CHUNK + 8], ms[CHUNK + 8], sc[MR][CHUNK];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes;
-    constexpr int A = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // independent FMA chains a row
-    __m256 acc[MR][A];
-    float macc[MR];
+    __m256 acc[MR][A], macc[MR];
     for (int r = 0; r < MR; ++r) {
       for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-      macc[r] = 0.0f;
+      macc[r] = _mm256_setzero_ps();
     }
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i codes;
-      float d, mn = 0.0f;
-      if constexpr (KIND == 1) {
-        const uint8_t* p = row + g * 20;
-        d = _cvtsh_ss(load_u16(p));
-        mn = _cvtsh_ss(load_u16(p + 2));
-        const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-        codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+    float mtail[MR] = {};
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK) {
+      const int64_t gn = std::min(CHUNK, groups - g0), g8 = gn / 8 * 8;
+      if constexpr (SPLIT) {
+        halves_to_floats(row + 2 * g0, gn, ds);
+        if constexpr (Q4) halves_to_floats(row + 2 * groups + 2 * g0, gn, ms);
       } else {
-        const uint8_t* p = row + g * 34;
-        d = _cvtsh_ss(load_u16(p));
-        codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+        for (int64_t j = 0; j < gn; ++j) {
+          const BlockRef b = block_ref(KIND, groups, row, g0 + j);
+          ds[j] = _cvtsh_ss(b.d);
+          if constexpr (Q4) ms[j] = _cvtsh_ss(b.m);
+        }
       }
-      const __m256i ucodes = KIND == 1 ? codes : _mm256_sign_epi8(codes, codes);  // |q| for Q8_0
       for (int r = 0; r < MR; ++r) {
-        const int64_t i = (r0 + r) * groups + g;
-        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * cols + g * QK));
-        if constexpr (KIND == 2) xv = _mm256_sign_epi8(xv, codes);  // the sign moved onto x
-        const __m256i pairs = _mm256_maddubs_epi16(ucodes, xv);      // 16 sums of two products
-        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[r][g % A] = _mm256_fmadd_ps(_mm256_set1_ps(d * xq.d[i]), dots, acc[r][g % A]);
-        if constexpr (KIND == 1) macc[r] += mn * xq.s[i];
+        const float* xd = xq.d.data() + (r0 + r) * groups + g0;
+        const float* xs = xq.s.data() + (r0 + r) * groups + g0;
+        int64_t j = 0;
+        for (; j < g8; j += 8) {
+          _mm256_store_ps(sc[r] + j, _mm256_mul_ps(_mm256_load_ps(ds + j), _mm256_loadu_ps(xd + j)));
+          if constexpr (Q4) macc[r] = _mm256_fmadd_ps(_mm256_load_ps(ms + j), _mm256_loadu_ps(xs + j), macc[r]);
+        }
+        for (; j < gn; ++j) {
+          sc[r][j] = ds[j] * xd[j];
+          if constexpr (Q4) mtail[r] += ms[j] * xs[j];
+        }
+      }
+      for (int64_t j = 0; j < gn; ++j) {
+        const int64_t g = g0 + j;
+        __m256i codes;
+        if constexpr (Q4) {
+          const uint8_t* q = SPLIT ? row + 4 * groups + 16 * g : row + g * 20 + 4;
+          const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+          codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+        } else {
+          const uint8_t* q = SPLIT ? row + 2 * groups + 32 * g : row + g * 34 + 2;
+          codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+        }
+        const __m256i ucodes = Q4 ? codes : _mm256_sign_epi8(codes, codes);  // |q| for Q8_0
+        for (int r = 0; r < MR; ++r) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * cols + g * QK));
+          if constexpr (!Q4) xv = _mm256_sign_epi8(xv, codes);  // the sign moved onto x
+          const __m256i pairs = _mm256_maddubs_epi16(ucodes, xv);      // 16 sums of two products
+          const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+          acc[r][g % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc[r] + j), dots, acc[r][g % A]);
+        }
       }
     }
     for (int r = 0; r < MR; ++r) {
       __m256 t = acc[r][0];
       for (int a = 1; a < A; ++a) t = _mm256_add_ps(t, acc[r][a]);
-      y[r * ldy + n] = hsum(t) + macc[r];
+      y[r * ldy + n] = hsum(t) + (hsum(macc[r]) + mtail[r]);
     }
   }
 }
@@ -345,8 +420,12 @@ void matmul(const float* x, int64_t m, const Weight& w, float* y, bool int8) {
     const XQ xq = quantize_rows(x, m, w.cols);
     at::parallel_for(0, w.rows, grain, [&](int64_t n0, int64_t n1) {
 #ifdef NANOSERVE_QAVX2
-      if (w.kind == 1) return rows_q8_any<1>(xq, m, w, y, w.rows, n0, n1);
-      return rows_q8_any<2>(xq, m, w, y, w.rows, n0, n1);
+      switch (w.kind) {
+        case 1: return rows_q8_any<1>(xq, m, w, y, w.rows, n0, n1);
+        case 2: return rows_q8_any<2>(xq, m, w, y, w.rows, n0, n1);
+        case 3: return rows_q8_any<3>(xq, m, w, y, w.rows, n0, n1);
+        default: return rows_q8_any<4>(xq, m, w, y, w.rows, n0, n1);
+      }
 #else
       rows_q8_portable(xq, m, w, y, w.rows, n0, n1);
 #endif
@@ -355,9 +434,13 @@ void matmul(const float* x, int64_t m, const Weight& w, float* y, bool int8) {
   }
   at::parallel_for(0, w.rows, grain, [&](int64_t n0, int64_t n1) {
 #ifdef NANOSERVE_QAVX2
-    if (w.kind == 0) return rows_avx2_any<0>(x, m, w, y, w.rows, n0, n1);
-    if (w.kind == 1) return rows_avx2_any<1>(x, m, w, y, w.rows, n0, n1);
-    return rows_avx2_any<2>(x, m, w, y, w.rows, n0, n1);
+    switch (w.kind) {
+      case 0: return rows_avx2_any<0>(x, m, w, y, w.rows, n0, n1);
+      case 1: return rows_avx2_any<1>(x, m, w, y, w.rows, n0, n1);
+      case 2: return rows_avx2_any<2>(x, m, w, y, w.rows, n0, n1);
+      case 3: return rows_avx2_any<3>(x, m, w, y, w.rows, n0, n1);
+      default: return rows_avx2_any<4>(x, m, w, y, w.rows, n0, n1);
+    }
 #else
     rows_portable(x, m, w, y, w.rows, n0, n1);
 #endif
