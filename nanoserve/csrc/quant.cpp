@@ -34,6 +34,7 @@
 #endif
 
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -370,7 +371,8 @@ void rows_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, i
           if constexpr (Q4) mtail[r] += ms[j] * xs[j];
         }
       }
-      for (int64_t j = 0; j < gn; ++j) {
+      auto block = [&](int64_t j, auto slot) {
+        constexpr int a = decltype(slot)::value;  // the accumulator: a compile-time index
         const int64_t g = g0 + j;
         __m256i codes;
         if constexpr (Q4) {
@@ -387,9 +389,19 @@ void rows_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, i
           if constexpr (!Q4) xv = _mm256_sign_epi8(xv, codes);  // the sign moved onto x
           const __m256i pairs = _mm256_maddubs_epi16(ucodes, xv);      // 16 sums of two products
           const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-          acc[r][g % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc[r] + j), dots, acc[r][g % A]);
+          acc[r][a] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc[r] + j), dots, acc[r][a]);
+        }
+      };
+      int64_t j = 0;
+      for (; j + A <= gn; j += A) {  // A blocks at a time, one accumulator each
+        block(j, std::integral_constant<int, 0>{});
+        if constexpr (A > 1) block(j + 1, std::integral_constant<int, (A > 1 ? 1 : 0)>{});
+        if constexpr (A > 2) {
+          block(j + 2, std::integral_constant<int, (A > 2 ? 2 : 0)>{});
+          block(j + 3, std::integral_constant<int, (A > 2 ? 3 : 0)>{});
         }
       }
+      for (; j < gn; ++j) block(j, std::integral_constant<int, 0>{});
     }
     for (int r = 0; r < MR; ++r) {
       __m256 t = acc[r][0];
