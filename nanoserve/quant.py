@@ -13,9 +13,10 @@ that streams every weight once reads 6.4x fewer bytes.
 
 A model's matrices are kept in the "split" layout (`QuantTensor.split`): the same bytes of each
 row reordered, the row's fp16 scales first, then its minimums, then the codes, so that the
-kernel converts a row's scales eight at a time instead of one per block (a batch-1 Q4_1 step
-measured ~10% faster here; `from_gguf` and `quantize` give the file's "gguf" layout, which the
-kernels read too, with the same sums in the same order).
+kernel converts a row's scales eight at a time instead of one per block (batch-1 Q4_1 decode
+measured ~5% faster here, the two layouts alternating in one process; `from_gguf` and
+`quantize` give the file's "gguf" layout, which the kernels read too, with the same sums in
+the same order).
 
 The products run in the native kernel (`csrc/quant.cpp`), which widens each block to fp32 in
 registers as it goes: the weights it multiplies by are bit for bit the dequantized fp32 weights
