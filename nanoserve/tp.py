@@ -198,8 +198,15 @@ class TP:
         self.stopped = True
         try:
             self._broadcast(("stop",))
+            self.leave()
         except RankLost:
             pass
+
+    def leave(self) -> None:
+        """Every rank, at the end: meet once more, then take the group down, so that no rank's
+        sockets close under another's gloo threads while it is still tearing down."""
+        self._call(dist.barrier)
+        dist.destroy_process_group()
 
     def setup(self, engine) -> None:
         """Rank 0, once its engine is built: the pool and linear layout to the workers, every
@@ -366,7 +373,10 @@ def run_worker(config) -> None:
                 steps += 1
     except RankLost as e:
         raise NanoserveError(f"rank {tp.rank}: rank 0 is gone after {steps} steps ({e})") from None
-    dist.destroy_process_group()
+    try:
+        tp.leave()
+    except RankLost:
+        pass
 
 
 def spawn(world: int, args: list[str], port: int | None = None, threads: int = 1, **popen) -> list:
