@@ -31,6 +31,7 @@ from nanoserve.engine import build_engine
 from nanoserve.errors import NanoserveError
 from nanoserve.model import LlamaConfig
 from tests.test_engine import check_same_or_near_tie, random_requests
+from tests.test_faults import free_port
 from tests.test_model import make_tiny_dir, ours_from_dir
 from tests.tp_ranks import run
 
@@ -179,14 +180,6 @@ def wait_health(url: str, procs, want: int = 200, timeout: float = 300) -> dict:
             pass
         time.sleep(0.3)
     raise AssertionError(f"/health did not answer {want} within {timeout} s")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_three_ranks_serve_one_process_text_and_a_killed_rank_turns_health_503(smollm_dir, tmp_path):
