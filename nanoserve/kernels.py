@@ -14,7 +14,8 @@ The kernels (csrc/, bound in module.cpp):
 * `decode_attention` (paged_attention.cpp): decode attention read in place from the paged
   pools, instead of gathering each row's window into a padded copy (days 58-59);
 * `quant_linear`, `dequantize`, `embed_rows` (quant.cpp): products over matrices held as a
-  GGUF's Q4_1 or Q8_0 blocks, widened in registers (quant.py, day 60);
+  GGUF's Q4_1 or Q8_0 blocks, widened in registers (quant.py, day 60), and with int8
+  activations over tiles of 16 rows with AVX512-VNNI where the CPU has it (`has_tiles`);
 * `fused_decode` (quant.cpp): a whole Llama decode step in one call, its glue in C++ instead of
   ~70 torch ops a block (model.Llama.fused_decode, day 61).
 """

@@ -393,6 +393,7 @@ class Llama(nn.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
             cfg.intermediate_size,
+            self.head.shape[0],
             cfg.rms_norm_eps,
             int8,
         )

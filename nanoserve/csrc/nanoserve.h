@@ -11,6 +11,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 std::string isa();
 
 // quant.cpp: weights as a GGUF holds them (kind 0 fp32 rows, 1 Q4_1 blocks, 2 Q8_0 blocks)
+bool has_tiles();  // the tiles kernel (kinds 5, 6) was built: this CPU has AVX512-VNNI
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t out_features, bool int8);
 torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, int64_t in_features);
 torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features);
@@ -20,4 +21,4 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            std::vector<torch::Tensor> norms, std::vector<torch::Tensor> k_pools,
                            std::vector<torch::Tensor> v_pools, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-                           double eps, bool int8);
+                           int64_t vocab, double eps, bool int8);
