@@ -454,7 +454,7 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
 
 
 def describe_weights(model) -> str:
-    """'q4_1 (int8 activations), 96.6 MB' / 'q4_1 (int8 activations, tiles), 98.4 MB' /
+    """'q4_1 (int8 activations), 96.6 MB' / 'q4_1 (int8 activations, tiles), 98.3 MB' /
     'float32, 538.2 MB'."""
     from nanoserve.model import model_weight_bytes
 
