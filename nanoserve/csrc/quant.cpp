@@ -58,6 +58,24 @@ constexpr int64_t TILE = 16;  // rows a tile (kinds 5 and 6)
 
 inline bool is_q4(int64_t kind) { return kind == 1 || kind == 3 || kind == 5; }
 inline bool is_tiles(int64_t kind) { return kind >= 5; }
+inline int64_t tile_count(int64_t rows) { return (rows + TILE - 1) / TILE; }
+
+// f(r0, MR) for the rows of x in groups of up to MAX: r0 the group's first row, MR its size as a
+// compile-time constant (std::integral_constant), so each kernel is instantiated per group size.
+template <int MR, int MAX, typename F>
+inline void with_rows(int64_t size, int64_t r0, F& f) {
+  if constexpr (MR < MAX) {
+    if (size == MR) return f(r0, std::integral_constant<int, MR>{});
+    return with_rows<MR + 1, MAX>(size, r0, f);
+  } else {
+    f(r0, std::integral_constant<int, MAX>{});
+  }
+}
+
+template <int MAX, typename F>
+inline void in_row_groups(int64_t m, F f) {
+  for (int64_t r0 = 0; r0 < m; r0 += MAX) with_rows<1, MAX>(std::min<int64_t>(MAX, m - r0), r0, f);
+}
 // bytes a block of one row takes (tiles: 2 more for Q8_0's code sums)
 inline int64_t block_bytes(int64_t kind) {
   return kind == 0 ? QK * 4 : is_q4(kind) ? 20 : kind == 6 ? 36 : 34;
@@ -89,7 +107,7 @@ inline uint16_t load_u16(const uint8_t* p) {
 
 struct Weight {
   const uint8_t* data;
-  int64_t kind, rows, cols, row_bytes;  // tiles: row_bytes is a tile's bytes over 16
+  int64_t kind, rows, cols, row_bytes;  // tiles: a tile is 16 * row_bytes
 };
 
 Weight weight_of(const torch::Tensor& w, int64_t kind, int64_t rows, int64_t cols) {
@@ -103,7 +121,7 @@ Weight weight_of(const torch::Tensor& w, int64_t kind, int64_t rows, int64_t col
   }
   TORCH_CHECK(cols % QK == 0, "a quantized weight's columns come in blocks of 32, not ", cols);
   const int64_t rb = cols / QK * block_bytes(kind);
-  const int64_t stored = is_tiles(kind) ? (rows + TILE - 1) / TILE * TILE : rows;
+  const int64_t stored = is_tiles(kind) ? tile_count(rows) * TILE : rows;
   TORCH_CHECK(w.scalar_type() == torch::kByte && w.numel() == stored * rb,
               "a quantized weight is ", stored, " rows of ", rb, " bytes (uint8)");
   return {w.data_ptr<uint8_t>(), kind, rows, cols, rb};
@@ -126,8 +144,8 @@ inline BlockRef block_ref(int64_t kind, int64_t groups, const uint8_t* row, int6
 
 // Block g of row n of a tiles weight, its codes gathered into scratch (32 bytes) in the file's order.
 inline BlockRef tile_block_ref(const Weight& w, int64_t n, int64_t g, uint8_t* scratch) {
-  const int64_t groups = w.cols / QK, lane = n % TILE;
-  const uint8_t* p = w.data + ((n / TILE) * groups + g) * TILE * block_bytes(w.kind);
+  const int64_t lane = n % TILE;
+  const uint8_t* p = w.data + (n / TILE) * TILE * w.row_bytes + g * TILE * block_bytes(w.kind);
   const int quads = is_q4(w.kind) ? 4 : 8;
   for (int c = 0; c < quads; ++c) std::memcpy(scratch + 4 * c, p + 64 + 64 * c + 4 * lane, 4);
   return {scratch, load_u16(p + 2 * lane), static_cast<uint16_t>(is_q4(w.kind) ? load_u16(p + 32 + 2 * lane) : 0)};
@@ -285,20 +303,9 @@ void rows_avx2(const float* x, const Weight& w, float* y, int64_t ldy, int64_t n
 
 template <int KIND>
 void rows_avx2_any(const float* x, int64_t m, const Weight& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    const float* xr = x + r0 * w.cols;
-    float* yr = y + r0 * ldy;
-    switch (std::min<int64_t>(8, m - r0)) {
-      case 1: rows_avx2<KIND, 1>(xr, w, yr, ldy, n0, n1); break;
-      case 2: rows_avx2<KIND, 2>(xr, w, yr, ldy, n0, n1); break;
-      case 3: rows_avx2<KIND, 3>(xr, w, yr, ldy, n0, n1); break;
-      case 4: rows_avx2<KIND, 4>(xr, w, yr, ldy, n0, n1); break;
-      case 5: rows_avx2<KIND, 5>(xr, w, yr, ldy, n0, n1); break;
-      case 6: rows_avx2<KIND, 6>(xr, w, yr, ldy, n0, n1); break;
-      case 7: rows_avx2<KIND, 7>(xr, w, yr, ldy, n0, n1); break;
-      default: rows_avx2<KIND, 8>(xr, w, yr, ldy, n0, n1); break;
-    }
-  }
+  in_row_groups<8>(m, [&](int64_t r0, auto mr) {
+    rows_avx2<KIND, decltype(mr)::value>(x + r0 * w.cols, w, y + r0 * ldy, ldy, n0, n1);
+  });
 }
 #endif
 
@@ -482,15 +489,9 @@ void rows_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, i
 
 template <int KIND>
 void rows_q8_any(const XQ& xq, int64_t m, const Weight& w, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    float* yr = y + r0 * ldy;
-    switch (std::min<int64_t>(4, m - r0)) {
-      case 1: rows_q8<KIND, 1>(xq, r0, w, yr, ldy, n0, n1); break;
-      case 2: rows_q8<KIND, 2>(xq, r0, w, yr, ldy, n0, n1); break;
-      case 3: rows_q8<KIND, 3>(xq, r0, w, yr, ldy, n0, n1); break;
-      default: rows_q8<KIND, 4>(xq, r0, w, yr, ldy, n0, n1); break;
-    }
-  }
+  in_row_groups<4>(m, [&](int64_t r0, auto mr) {
+    rows_q8<KIND, decltype(mr)::value>(xq, r0, w, y + r0 * ldy, ldy, n0, n1);
+  });
 }
 #endif
 
@@ -509,7 +510,7 @@ void tiles_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, 
   const int64_t groups = w.cols / QK, cols = w.cols, tb = TILE * block_bytes(w.kind);
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w.data + t * groups * tb;
+    const uint8_t* tile = w.data + t * TILE * w.row_bytes;
     __m512 acc[MR], macc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = macc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -571,15 +572,9 @@ void tiles_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, 
 
 template <bool Q4>
 void tiles_q8_any(const XQ& xq, int64_t m, const Weight& w, float* y, int64_t ldy, int64_t t0, int64_t t1) {
-  for (int64_t r0 = 0; r0 < m; r0 += 4) {
-    float* yr = y + r0 * ldy;
-    switch (std::min<int64_t>(4, m - r0)) {
-      case 1: tiles_q8<Q4, 1>(xq, r0, w, yr, ldy, t0, t1); break;
-      case 2: tiles_q8<Q4, 2>(xq, r0, w, yr, ldy, t0, t1); break;
-      case 3: tiles_q8<Q4, 3>(xq, r0, w, yr, ldy, t0, t1); break;
-      default: tiles_q8<Q4, 4>(xq, r0, w, yr, ldy, t0, t1); break;
-    }
-  }
+  in_row_groups<4>(m, [&](int64_t r0, auto mr) {
+    tiles_q8<Q4, decltype(mr)::value>(xq, r0, w, y + r0 * ldy, ldy, t0, t1);
+  });
 }
 #endif
 
@@ -592,15 +587,14 @@ void matmul(const float* x, int64_t m, const Weight& w, float* y, bool int8, con
 #ifdef NANOSERVE_QVNNI512
   if (int8 && is_tiles(w.kind)) {
     const XQ xq = quantize_rows(x, m, w.cols, w.kind == 6);
-    const int64_t tiles = (w.rows + TILE - 1) / TILE;
+    const int64_t tiles = tile_count(w.rows);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       if (w.kind == 5)
         tiles_q8_any<true>(xq, m, w, y, w.rows, t0, t1);
       else
         tiles_q8_any<false>(xq, m, w, y, w.rows, t0, t1);
       if (next != nullptr && is_tiles(next->kind)) {
-        const int64_t nt = (next->rows + TILE - 1) / TILE, tile_bytes = next->cols / QK * TILE * block_bytes(next->kind);
-        const uint8_t* p = next->data + (t0 * nt / tiles) * tile_bytes;
+        const uint8_t* p = next->data + (t0 * tile_count(next->rows) / tiles) * TILE * next->row_bytes;
         for (int64_t o = 0; o < 4096; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
       }
     });
