@@ -286,9 +286,9 @@ check_norm_close(y16, ref16(x.bfloat16()), "package bf16 vs transformers' LlamaR
 same16 = (y16 == ref16(x.bfloat16())).float().mean().item()
 print("over 99% of the elements equal to transformers' bf16 result:", same16 > 0.99)
 print(f"package bf16 vs fp32 at block 15: {norms.rel_err(y16, y32):.1e}")
-for r in rows:
+for r in rows:  # the package's error to one digit: its second differs between CPUs (below)
     print(
-        f"  {r['site']:22} inputs only {r['bf16_inputs_rel_err']}, package {r['bf16_rel_err']},",
+        f"  {r['site']:22} inputs only {r['bf16_inputs_rel_err']}, package {float(r['bf16_rel_err']):.0e},",
         f"all bf16 {r['naive_bf16_rel_err']}",
     )
 worse = sum(float(r["naive_bf16_rel_err"]) > float(r["bf16_rel_err"]) for r in rows)
@@ -299,6 +299,13 @@ assert all(float(r["bf16_inputs_rel_err"]) < float(r["bf16_rel_err"]) < 1e-2 for
 assert 0.3 < min(share_inputs) and max(share_inputs) < 0.75 and worse == 9 and same16 > 0.99
 
 # %% [markdown]
+# The package's error is printed to one digit because its second depends on the CPU. torch's
+# CPU kernels run 8 fp32 lanes wide with AVX2 and 16 with AVX-512, so the fp32 mean of squares
+# is summed in another order, and a few normalized values land on the other side of a bf16
+# rounding boundary. At block 25 the table says
+# 7.8e-03 (the AVX2 machine that wrote it); an AVX-512 machine computes 7.7e-03. Rounding the
+# inputs and doing everything in bf16 gave the same digits on both.
+#
 # Rounding the two inputs accounts for a third to nearly three quarters of the error, depending
 # on the site. The rest is the rounding of the normalized value and of the product. Doing all
 # of it in bf16 costs more at 9 sites of 10, but not by much: torch's mean of a bf16 tensor
@@ -340,12 +347,20 @@ for got, what in ((layer_norm, "mean subtracted (LayerNorm)"), (one_plus_w, "sca
 # one for the final norm.
 
 # %%
-cols = list(rows[0])
-print(" | ".join(cols))
-for r in rows:
-    print(" | ".join(str(r[c]) for c in cols))
 with open(norms.CSV) as f:
-    assert [{k: str(v) for k, v in r.items()} for r in rows] == list(csv.DictReader(f)), "rerun norms.py"
+    table = list(csv.DictReader(f))
+cols = list(table[0])
+print(" | ".join(cols))
+for r in table:
+    print(" | ".join(r[c] for c in cols))
+# the rows computed above are the file's: every column exactly, but for the package's bf16 error,
+# whose second digit depends on the CPU (section 6), within 5%
+assert len(rows) == len(table)
+for got, want in zip(rows, table):
+    for c in cols:
+        g, w = str(got[c]), want[c]
+        ok = g == w or (c == "bf16_rel_err" and abs(float(g) / float(w) - 1) < 0.05)
+        assert ok, f"rerun norms.py: {got['site']} {c} is {g} here, {w} in the file"
 
 # %% [markdown]
 # ## The diagram

@@ -234,15 +234,18 @@ wsum = Wd.abs().reshape(Wd.shape[0], -1, 32).sum(-1)  # (out, blocks)
 bound8 = (dx.double() / 2) @ wsum.double().T + 4 * bound
 assert (diff8 <= bound8).all()
 assert ((y8.double() - xr.double() @ Wd.double().T).abs() <= 4 * bound).all()  # the sums are int8_rows(x)'s
-print(f"int8 activations: max |y - exact| {diff8.max():.2e} ({diff8.max() / diff.max():.0f}x the fp32 path's), "  # noqa: E501
+print(f"int8 activations: max |y - exact| {diff8.max():.2e} (the fp32 path's: {diff.max():.1e}), "
       f"at most {(diff8 / bound8).max():.1%} of their bound")  # fmt: skip
+assert diff8.max() > 1000 * diff.max()
 print(f"relative to |y|: median {(diff8 / exact.abs().clamp_min(1e-3)).median():.1e}; "
       f"x rounded by up to {(xr - x).abs().max():.2e} (largest |x| {x.abs().max():.2f})")  # fmt: skip
 
 # %% [markdown]
 # The int8 difference is small, 3.04e-02 at most on outputs as large as 9.38 and a median of
-# 3.5e-03 relative, but it is a real change to the numbers, 9557 times the fp32 path's
-# reordering. The fp32 path gives
+# 3.5e-03 relative, but it is a real change to the numbers, thousands of times the fp32 path's
+# reordering (whose size depends on the CPU: torch's `F.linear` sums in another order on an
+# AVX-512 machine than on an AVX2 one, and the fp32 figures above move with it; the int8 ones
+# are the same on both). The fp32 path gives
 # the dequantized model's numbers up to reordering; the int8 path gives a slightly different
 # model. Section 5 shows what that does to tokens.
 #
@@ -343,11 +346,29 @@ def top3(logits):
     return [(tok.decode([i]), f"{p:.3f}") for p, i in zip(top.values.tolist(), top.indices.tolist())]
 
 
-lq8 = prefill(qm8, prompt)[-1]
 print("fp32 model, first answer token:", top3(logits_f[-1]))
 print("q4_1/fp32                     :", top3(logits_q[-1]))
+
+
+# %% [markdown]
+# The int8 path's figures depend on the CPU by more than rounding. Rounding an activation to
+# int8 is a step function: a last-place change in its fp32 input (torch's norms and attention
+# sum in 8 lanes on an AVX2 CPU and 16 on an AVX-512 one) can move an entry to the next int8
+# step, and 30 blocks of such steps add up to probabilities that differ in the second digit
+# between the two kinds of machine (an AVX2 one gave "L" 0.146, "The" 0.123, "La" 0.092, and
+# logits within 0.954 of the fp32 model's). So this cell's output is not compared under test; its
+# asserts hold on every machine: the int8 path's first token is "L", within 0.05 of "The", and
+# its logits stay within 2 of the fp32 model's.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+lq8 = prefill(qm8, prompt)[-1]
+spread = (lq8 - logits_f[-1]).abs().max().item()
 print("q4_1/int8                     :", top3(lq8))
-print(f"max |logits int8 - logits fp32| over the prompt's last token: {(lq8 - logits_f[-1]).abs().max():.3f}")
+print(f"max |logits int8 - logits fp32| over the prompt's last token: {spread:.3f}")
+p8 = torch.softmax(lq8, -1).topk(2)
+assert [tok.decode([i]) for i in p8.indices.tolist()] == ["L", "The"] and p8.values[0] - p8.values[1] < 0.05
+assert spread < 2.0
 
 # %% [markdown]
 # ## 6. Bytes and speed

@@ -207,7 +207,7 @@ with torch.inference_mode():
     one = blk(x, cos, sin, cache)  # the one-process block
     split = split_block(x, mine)
 diff = (split - one).abs().max().item()
-TOL = 1e-5
+TOL = 5e-5  # about 26 fp32 ulp at 24.6: a few times the largest difference measured
 print(f"{n} tokens {ids.tolist()}")
 print(f"one-process block 0: largest |entry| {one.abs().max():.2f}")
 big = one.abs().max().item()
@@ -217,10 +217,11 @@ print(f"tolerance: {TOL:.0e}")
 assert diff < TOL
 
 # %% [markdown]
-# The difference is two units in the last place (ulp) of the largest entry, 24.60: the same
-# products, only added up in another order (each rank sums over its own heads or columns, then the three
-# partial results are added). fp32 rounding, nothing more; `TOL` is set at a few times what
-# this measures. The engine's `tp.shard` holds exactly these slices, tensor for tensor:
+# The difference is a few units in the last place (ulp) of the largest entry, 24.60: five on
+# the AVX-512 CPU this ran on, two on an AVX2 one, whose kernels add in other orders. The same
+# products, only added up in another order (each rank sums over its own heads or columns, then
+# the three partial results are added). fp32 rounding, nothing more; `TOL` is a few times the
+# larger of the two. The engine's `tp.shard` holds exactly these slices, tensor for tensor:
 
 # %%
 slots = int(CSV[0]["kv_tokens"])  # the pool of section 5, for each rank's share of it

@@ -195,3 +195,36 @@ def test_notebook_source_and_ipynb_agree(py):
 def test_notebook_is_executed(py):
     cells = [c for c in json.loads(py.with_suffix(".ipynb").read_text())["cells"] if c["cell_type"] == "code"]
     assert cells and all(c.get("execution_count") for c in cells), f"{py.name}: run `make notebooks`"
+
+
+def sanitized(text: str) -> str:
+    """`text` as nbval compares it: notebooks/sanitize.cfg's substitutions, read the way nbval
+    reads them."""
+    cfg = (NOTEBOOKS / "sanitize.cfg").read_text()
+    for regex, replace in re.findall(r"^regex: (.*)$\n^replace: (.*)$", cfg, flags=re.MULTILINE):
+        text = re.sub(regex, replace, text)
+    return text
+
+
+def test_sanitizer_masks_rounding_sized_figures_and_nothing_larger():
+    # what differs between an AVX2 and an AVX-512 run of the same cell: masked alike
+    for avx2, avx512 in [
+        ("max |difference| 0.0e+00", "max |difference| 3.7e-09"),
+        ("= 2e-05", "= 1e-05"),
+        ("diff 8.4e-05 (logits", "diff 1.1e-04 (logits"),
+        ("{1: '0.0e+00', 2: '2.4e-07'}", "{1: '0.0e+00', 2: '3.6e-07'}"),
+        ("3.8e-06 = 2 fp32 ulp at 24.60", "9.5e-06 = 5 fp32 ulp at 24.60"),
+        ("inner_product, brg_matmul:avx2, weights", "inner_product, brg_matmul:avx512_core, weights"),
+    ]:
+        assert sanitized(avx2) == sanitized(avx512), (avx2, avx512)
+    # figures a wrong build would change are still compared
+    for a, b in [
+        ("off by 6.74e-01", "off by 6.75e-01"),
+        ("gap of 1.11e-02", "gap of 1.12e-02"),
+        ("max |difference| 2.19e+00", "max |difference| 0.0e+00"),
+        ("tokens [15944, 48357]", "tokens [15944, 48358]"),
+        ("package 7.7e-03", "package 7.8e-03"),
+        ("3.04e-02 at most", "3.05e-02 at most"),
+        ("rank2e-05x", "rank3e-05x"),
+    ]:
+        assert sanitized(a) != sanitized(b), (a, b)
