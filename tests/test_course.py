@@ -198,10 +198,11 @@ def test_notebook_is_executed(py):
 
 
 def sanitized(text: str) -> str:
-    """`text` as nbval compares it: notebooks/sanitize.cfg's substitutions, read the way nbval
-    reads them."""
-    cfg = (NOTEBOOKS / "sanitize.cfg").read_text()
-    for regex, replace in re.findall(r"^regex: (.*)$\n^replace: (.*)$", cfg, flags=re.MULTILINE):
+    """`text` as nbval compares it: notebooks/sanitize.cfg's substitutions, read by nbval's own
+    parser and applied in order, as its `sanitize` does."""
+    from nbval.plugin import get_sanitize_patterns
+
+    for regex, replace in get_sanitize_patterns((NOTEBOOKS / "sanitize.cfg").read_text()):
         text = re.sub(regex, replace, text)
     return text
 
