@@ -43,9 +43,20 @@ unit: model
 
 # Notebooks run under nbval against their committed outputs; running them must not change
 # any tracked file (under test they render their diagrams into a temporary folder).
+# CPU_KIND=avx2|avx512|avx512_vnni runs them as that kind of CPU would, on a CPU that has at
+# least its instructions: torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA)
+# and nanoserve's native kernels (NANOSERVE_ISA, built for that ISA) all held to it. Run it for
+# each kind below this machine's before committing outputs, e.g. make notebooks-test CPU_KIND=avx2
+CPU_KIND ?= native
+EMULATE_avx2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 NANOSERVE_ISA=avx2
+EMULATE_avx512 := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE NANOSERVE_ISA=avx512
+EMULATE_avx512_vnni := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 NANOSERVE_ISA=avx512_vnni
+EMULATE_native :=
+EMULATE = $(if $(filter $(CPU_KIND),native avx2 avx512 avx512_vnni),$(EMULATE_$(CPU_KIND)),$(error CPU_KIND is one of native avx2 avx512 avx512_vnni, not $(CPU_KIND)))
+
 notebooks-test: model
 	@before=$$(git status --porcelain --untracked-files=all | sha1sum); \
-	$(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider; rc=$$?; \
+	$(EMULATE) $(BIN)/python -m pytest --nbval notebooks/ --nbval-sanitize-with notebooks/sanitize.cfg -q -p no:cacheprovider; rc=$$?; \
 	[ $$rc -eq 5 ] && rc=0; \
 	after=$$(git status --porcelain --untracked-files=all | sha1sum); \
 	if [ "$$before" != "$$after" ]; then echo "running the notebooks changed the tree:"; git status --short; exit 1; fi; \

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,10 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when params.logprobs is set
     # on the first output, when params.prompt_logprobs is set: one per prompt token, None first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # one per new token: where its text starts in the request's text (the characters decoded
+    # before it). Not the length of the text emitted so far: a stop string's holdback or half a
+    # UTF-8 character delays a token's text to a later output. None without a tokenizer.
+    text_offsets: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,7 +85,11 @@ class _Request:
     seq: Sequence
     detok: object | None
     stops: StopStrings
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text as emitted, joined once at the end
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 class Engine:
@@ -400,6 +408,8 @@ class Engine:
         req = self.requests[seq.request_id]
         seq.token_ids.append(token)
         out = RequestOutput(seq.request_id, [token])
+        if req.detok is not None:
+            out.text_offsets = [req.detok.chars]
         finish = None
         if token in self.eos_ids and not seq.params.ignore_eos:
             finish = "stop"
@@ -420,7 +430,8 @@ class Engine:
             self.scheduler.finish(seq, finish)
             out.finish_reason = finish
             del self.requests[seq.request_id]
-        req.text += out.text_delta
+        if out.text_delta:
+            req.pieces.append(out.text_delta)
         return out
 
     def warm_decode(self, max_rows: int | None = None, max_width: int | None = None):

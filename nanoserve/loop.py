@@ -13,6 +13,8 @@ callables that put an item on a handler's asyncio queue). What a handler's queue
 Faults are contained at three levels:
 * one row: the engine ends a row it cannot sample or detokenize with finish_reason "error";
   the rest of its step goes on (engine.py);
+* one request's admission: `add_request` raising anything (a bad request's ValueError, or a
+  bug) refuses that request alone, 400 or 500, and gives back whatever the engine took of it;
 * one step: a step that raises (a bug, not a bad request) ends the requests in flight with a
   500 and the loop goes on, unless the error says no later step can run (`fatal`, as a lost
   tensor-parallel rank's `tp.RankLost` does): then the loop dies, as below;
@@ -170,18 +172,35 @@ class EngineLoop:
         if kind == "add":
             _, rid, prompt_ids, params, sink, arrival, after = item
             if len(self.engine.scheduler.waiting) >= self.max_waiting:
-                sink(Refused(f"the server has {self.max_waiting} requests waiting; try again later", 429))
+                self._tell(
+                    sink, Refused(f"the server has {self.max_waiting} requests waiting; try again later", 429)
+                )
                 return
             try:
                 self.engine.add_request(prompt_ids, params, request_id=rid, after=after)
-            except (ValueError, NanoserveError) as e:
-                sink(Refused(str(e)))
+            except (ValueError, NanoserveError) as e:  # a bad request: its sentence, as a 400
+                self._tell(sink, Refused(str(e)))
+                return
+            except Exception as e:  # a bug met while admitting: this request ends, the loop serves on
+                traceback.print_exc(file=sys.stderr)
+                try:  # whatever the engine took of it goes back (a half-added request)
+                    self.engine.abort(rid)
+                except Exception:
+                    traceback.print_exc(file=sys.stderr)
+                self._tell(
+                    sink, Refused(f"the server failed to admit this request ({type(e).__name__})", 500)
+                )
                 return
             self.streams[rid] = _Stream(sink, arrival, len(prompt_ids))
-            sink(Accepted())
+            self._send(rid, self.streams[rid], Accepted())
         elif kind == "abort":
             stream = self.streams.pop(item[1], None)
-            if stream is not None and self.engine.abort(item[1]):
+            try:
+                aborted = stream is not None and self.engine.abort(item[1])
+            except Exception:  # the abort of one request broke: that request is ended all the same
+                traceback.print_exc(file=sys.stderr)
+                aborted = stream is not None
+            if aborted:
                 self._send(item[1], stream, RequestOutput(item[1], [], finish_reason="abort"))
                 self._count_finished(stream, "abort")
         elif kind == "cut":
@@ -201,6 +220,14 @@ class EngineLoop:
                 del self.streams[out.request_id]
                 self._count_finished(stream, out.finish_reason)
             self._send(out.request_id, stream, out)
+
+    @staticmethod
+    def _tell(sink, item) -> None:
+        """A sink of a request the engine does not hold: if it raises, nothing else is owed."""
+        try:
+            sink(item)
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
 
     def _send(self, rid: str, stream: _Stream, item) -> None:
         """One handler's sink; if it raises (its event loop is gone), that request alone ends."""

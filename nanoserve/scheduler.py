@@ -36,10 +36,12 @@ vLLM keeps 1%, but its GPU pools run to thousands of blocks, and 1% of the ~100-
 CPU serves rounds to nothing: on the throughput workload over 90 blocks, 1% took preemptions
 from 34 to 27, 5% to 5, for 1% more steps; measured under prefill-first, where admission runs
 before decode and the reserve matters most: the budget policy hands decode rows their blocks
-before it admits anything).
+before it admits anything, and the reserve then counts each row's block for the step after).
 Without it, a prompt could take the last free blocks and the very next decode step would
 preempt it, the newest, throwing its prefill away, over and over under a tight pool. With
-nothing running the reserve is 0, so a prompt as long as the pool is still admitted.
+nothing running the reserve is 0, so a prompt as long as the pool is still admitted. Under the
+budget policy the decode rows already hold their slot for this step when admission runs, so
+their share of the reserve is the block of the token after it.
 `watermark=None` is the earlier policy, kept as a named variant: take whatever is free.
 
 Finished sequences leave at once (`finish`), returning their blocks. What the step computes is
@@ -146,6 +148,7 @@ class Scheduler:
         # prefix caching a readmitted sequence may find its own full blocks still cached (day 29)
         self.recomputed_tokens = 0
         self._arrivals = itertools.count()
+        self._slotted: set[int] = set()  # ids of the rows given their decode slot in this step
         self.on_leave = lambda seq: None  # told when a sequence leaves the running set
 
     def add(self, seq: Sequence, front: bool = False) -> None:
@@ -178,7 +181,11 @@ class Scheduler:
         )
         # a step that had to preempt admits nothing new: the pool is short already
         admit = self.num_preemptions == preemptions
-        return self._schedule_prefill(self.max_num_batched_tokens - len(batch.decode), batch, admit)
+        self._slotted = {id(s) for s in batch.decode}  # their slot for this step is taken
+        try:
+            return self._schedule_prefill(self.max_num_batched_tokens - len(batch.decode), batch, admit)
+        finally:
+            self._slotted = set()
 
     def _schedule_static(self) -> Batch:
         """Admit a whole batch when the last one has left; then its prompts, then its decodes."""
@@ -232,9 +239,13 @@ class Scheduler:
         if self.watermark is None or not self.running:
             return 0
         alloc = self.allocator
-        # a decoding row writes its newest token next; a row still in prefill will sample one first
+        # The block each running row needs for the next token it writes. A decoding row not yet
+        # scheduled this step writes its newest token next; one already given its slot this step
+        # (the budget policy schedules decode rows before it admits) writes the token this step
+        # samples, one further on; a row still in prefill will sample one first.
         next_blocks = sum(
-            alloc.blocks_needed(s.block_table, len(s.token_ids) + s.needs_prefill) for s in self.running
+            alloc.blocks_needed(s.block_table, len(s.token_ids) + (s.needs_prefill or id(s) in self._slotted))
+            for s in self.running
         )
         return next_blocks + int(self.watermark * alloc.num_blocks)
 

@@ -166,13 +166,19 @@ class Tokenizer:
         self.config = tokenizer_config or {}
         self.template_source = template
         self._template = None
-        self.add_bos_token = bool(self.config.get("add_bos_token", False))
         model_config, generation_config = model_config or {}, generation_config or {}
 
         bos = _token_text(self.config.get("bos_token"))
         self.bos_id = backend.token_to_id(bos) if bos else None
         if self.bos_id is None:
             self.bos_id = generation_config.get("bos_token_id", model_config.get("bos_token_id"))
+        # Whether a plain prompt starts with BOS: tokenizer_config.json's add_bos_token when it
+        # says, else what tokenizer.json's post-processor does (Llama 3's adds <|begin_of_text|>
+        # there and nowhere else), as transformers' fast tokenizers encode by default.
+        if "add_bos_token" in self.config:
+            self.add_bos_token = bool(self.config["add_bos_token"])
+        else:
+            self.add_bos_token = self._post_processor_adds_bos(backend, self.bos_id)
 
         # Stop on every end token any of the three files names (Llama 3 lists several).
         eos = set()
@@ -190,6 +196,15 @@ class Tokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
             if _token_text(self.config.get(name))
         }
+
+    @staticmethod
+    def _post_processor_adds_bos(backend, bos_id) -> bool:
+        """Whether encoding with special tokens puts `bos_id` in front of a plain text."""
+        if bos_id is None:
+            return False
+        with_special = backend.encode("a", add_special_tokens=True).ids
+        plain = backend.encode("a", add_special_tokens=False).ids
+        return with_special[:1] == [bos_id] and with_special[1 : 1 + len(plain)] == plain
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -236,7 +251,7 @@ class Tokenizer:
         """Token ids of `text`; special-token strings in it ('<|im_start|>') become their ids.
 
         A BOS id is put in front only if `add_bos` says so, or, when it is None, if
-        tokenizer_config.json's add_bos_token does.
+        tokenizer_config.json's add_bos_token does (or, where it is silent, the post-processor).
         """
         try:
             text.encode("utf-8")
@@ -336,7 +351,15 @@ class IncrementalDetokenizer:
         self.prefix = 0  # start of the window: a character boundary
         self.read = 0  # end of what has been emitted
         self._prefix_text = ""  # decode(ids[prefix:read])
-        self.text = ""
+        self._pieces: list[str] = []  # what has been emitted, kept as pieces: no copy a token
+        self.chars = 0  # len(self.text), kept as a count
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (joined when asked, not on every token)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -346,7 +369,9 @@ class IncrementalDetokenizer:
         delta = window[len(self._prefix_text) :]
         self.prefix, self.read = self.read, len(self.ids)
         self._prefix_text = self._decode(self.ids[self.prefix : self.read])
-        self.text += delta
+        if delta:
+            self._pieces.append(delta)
+            self.chars += len(delta)
         return delta
 
     def add(self, token_id: int) -> str:

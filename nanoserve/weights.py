@@ -80,6 +80,15 @@ def check_model_dir(path: str | Path) -> Path:
             f"{path} holds a {kind or 'untyped'} model ({', '.join(archs) or 'no architectures'}); "
             "nanoserve runs only Llama-family models."
         )
+    window, context = config.get("sliding_window"), config.get("max_position_embeddings")
+    if window is not None and config.get("use_sliding_window", True) and not (context and window >= context):
+        # Mistral 7B v0.1's 4096: every layer would have to attend to its last `window` tokens
+        # only, and nanoserve's attention reads a row's whole context. Refused, not ignored.
+        raise NanoserveError(
+            f"{path} is a model whose layers attend to a sliding window of {window} tokens "
+            f"(config.json's sliding_window, with a context of {context or 'unknown'}); nanoserve "
+            "attends to the whole context and does not run sliding-window models yet."
+        )
     if not _safetensors_files(path):
         raise NanoserveError(f"{path} has no *.safetensors weights; convert or download the model first.")
     if not (path / "tokenizer.json").is_file():

@@ -214,22 +214,25 @@ for budget, label in invbench.BUDGETS.items():
         tokens, _ = invbench.run_batch(invbench.tiny_engine(tied, budget), {r: pool[r] for r in group})
         flipped[label, size] = tokens[rid][0] != tied_ref[0]
         check_same_or_near_tie(tied, prompt, tied_ref, tokens[rid], ties)  # raises on a real difference
-print(
-    "eager first token:",
-    tied_ref[0],
-    "| runs whose first token differs:",
-    [k for k, v in flipped.items() if v],
-)
-print(f"near-ties excused by check_same_or_near_tie: {len(ties)}, at", [(k, f"{gap:.1e}") for k, gap in ties])
-assert ties and all(k == 0 and gap < TIE for k, gap in ties)
+# Which runs flip, and so how many, depends on the order the CPU's kernels sum in (an AVX2 and
+# an AVX-512 machine flip different runs), so those are asserted here, not printed.
+assert tied_ref[0] in (a, b) and any(flipped.values()), flipped
+assert len(ties) == sum(flipped.values()) and all(k == 0 and gap < TIE for k, gap in ties)
+print(f"eager first token: one of the pair {sorted((a, b))}")
+print(f"runs whose first token is the other one: {'some' if ties else 'none'} of {len(flipped)}")
+print(f"each excused by check_same_or_near_tie at position 0, gap < TIE = {TIE:g}")
 
 # %% [markdown]
-# Now the batch matters: in five of the ten runs (chunked at 2, 4, 8 and 16 rows, unchunked at
-# 2) the engine's first token is the other one of the pair, and everything after it follows a
-# different path. That is a legitimate difference (both tokens are the right answer to within
-# rounding), and `check_same_or_near_tie` excuses each of those runs: it finds the first
-# differing position, 0, measures the reference's gap there, 3.7e-09, and counts a tie. Which
-# runs flip is decided by the rounding of each batch shape; nothing in the schedule predicts it.
+# Now the batch matters: in some of the ten runs the engine's first token is the other one of
+# the pair, and everything after it follows a different path. That is a legitimate difference
+# (both tokens are the right answer to within rounding), and `check_same_or_near_tie` excuses
+# each of those runs: it finds the first differing position, 0, measures the reference's gap
+# there (3.7e-09 on the AVX2 machine these outputs come from; exactly 0 on an AVX-512 EPYC), and
+# counts a tie. Which runs flip is decided by the rounding of each batch
+# shape, and it changes with the CPU: on the machines this course runs on, an AVX2 EPYC and an
+# AVX-512 one flipped different runs, and different numbers of them, for the same weights. So the
+# cell asserts what holds everywhere (at least one flip, every flip a near-tie at position 0)
+# instead of printing the list. Nothing in the schedule predicts it.
 #
 # ## 5. SmolLM2
 #

@@ -387,3 +387,74 @@ def test_engine_generate_on_smollm(smollm_dir):
         assert out.token_ids == ref[: len(out.token_ids)]
         assert out.finish_reason in ("stop", "length")
         assert out.text == tok.decode([t for t in out.token_ids if t not in tok.eos_ids]).split("\n\n")[0]
+
+
+@pytest.fixture(scope="module")
+def wide_tiny_model(tmp_path_factory):
+    """The tiny model with SmolLM2's vocabulary size, so a real tokenizer's ids fit it."""
+    path = tmp_path_factory.mktemp("tiny-wide")
+    make_tiny_dir(path, seed=7, max_position_embeddings=256, vocab_size=49152)
+    return ours_from_dir(path)
+
+
+def byte_tokens(tok, ch: str) -> list[int]:
+    """The byte-level tokens that spell `ch` one UTF-8 byte at a time (GPT-2's byte alphabet)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    to_char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    return [tok.backend.token_to_id(to_char[b]) for b in ch.encode("utf-8")]
+
+
+def scripted_engine(model, tokenizer, script: list[int], monkeypatch):
+    """A tiny engine with a real tokenizer whose sampler writes `script`, one token a step."""
+    import nanoserve.engine as engine_mod
+
+    steps = iter(script)
+    monkeypatch.setattr(engine_mod, "sample_rows", lambda logits, params, gens: [next(steps)] * len(params))
+    eng = tiny_engine(model)
+    eng.tokenizer = tokenizer
+    return eng
+
+
+@pytest.mark.parametrize(
+    "pieces, stop",
+    [
+        (["Hi", "\n", "Bye", "!"], ["\n\n"]),  # "\n" held back until "Bye" shows it is no stop string
+        (["Hi", "\n", "\n", "Bye"], ["\n\n"]),  # stopped: the text ends at "Hi"
+        (["a", "é", "b"], []),  # é arrives as byte tokens: nothing comes out for its first byte
+    ],
+)
+def test_text_offsets_index_the_text_whatever_is_held_back(
+    wide_tiny_model, smollm_dir, monkeypatch, pieces, stop
+):
+    from nanoserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm_dir)
+    script = [i for p in pieces for i in tok.encode(p, add_bos=False)]
+    if "é" in pieces:  # spell é as its two byte tokens, so its first token ends mid-character
+        script = [
+            tok.encode("a", add_bos=False)[0],
+            *byte_tokens(tok, "é"),
+            tok.encode("b", add_bos=False)[0],
+        ]
+    eng = scripted_engine(wide_tiny_model, tok, script, monkeypatch)
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=len(script), stop=stop, ignore_eos=True))
+    offsets, text, ids = [], "", []
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id == rid and len(out.text_offsets) == len(out.new_token_ids)
+            offsets += out.text_offsets
+            ids += out.new_token_ids
+            text += out.text_delta
+    # each token's text starts where the text decoded before it ends
+    expected = [len(tok.decode(ids[:k])) for k in range(len(ids))]
+    if "é" in pieces:  # a token that ends inside a character adds no characters yet
+        expected = [len(tok.decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids))]
+    assert offsets == expected
+    assert offsets == sorted(offsets) and all(o <= len(tok.decode(ids)) for o in offsets)
+    if stop == ["\n\n"] and pieces[2] == "Bye":
+        assert text == "Hi\nBye!" and offsets[:3] == [0, 2, 3]

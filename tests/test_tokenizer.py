@@ -215,6 +215,34 @@ def test_add_bos_token_and_eos_lists(tmp_path, smollm_dir):
     assert ids[0] == 1 and ids[1] != 1
 
 
+def test_bos_from_the_post_processor_when_the_config_is_silent(tmp_path, smollm_dir):
+    """A tokenizer.json whose post-processor puts BOS in front (Llama 3's way) and a
+    tokenizer_config.json that says nothing of add_bos_token: plain prompts get BOS, as
+    transformers encodes them; a config that says false still wins."""
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads((smollm_dir / "tokenizer.json").read_text())
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>"}))
+    t = Tokenizer.from_dir(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<|im_start|>")
+    for text in ("hi", "Paged memory, 12 blocks."):
+        assert t.encode(text) == hf(text)["input_ids"] == [1, *t.encode(text, add_bos=False)]
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "add_bos_token": False})
+    )
+    assert Tokenizer.from_dir(tmp_path).encode("hi")[0] != 1
+
+
 def test_unsupported_pre_tokenizer_is_named():
     with pytest.raises(NanoserveError, match="'qwen2' is not supported.*smollm"):
         bpe_from_vocab(["a"], [1], [], pre="qwen2")

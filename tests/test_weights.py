@@ -277,6 +277,27 @@ def test_bad_model_dirs_say_what_is_wrong(tmp_path):
     assert resolve_model_dir(str(d)) == d
 
 
+def test_a_sliding_window_model_is_refused_with_a_sentence(tmp_path):
+    """Mistral 7B v0.1's config: every layer attends to its last 4096 tokens only. Serving it
+    with whole-context attention would give other answers past 4096 tokens, so it is refused;
+    a window as long as the context (or null, as later Mistrals write) changes nothing."""
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"w": torch.zeros(2)}, d / "model.safetensors")
+    (d / "tokenizer.json").write_text("{}")
+    mistral = {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    (d / "config.json").write_text(
+        json.dumps(mistral | {"sliding_window": 4096, "max_position_embeddings": 32768})
+    )
+    with pytest.raises(NanoserveError, match="sliding window of 4096 tokens.*does not run sliding-window"):
+        check_model_dir(d)
+    for window in (None, 32768):
+        (d / "config.json").write_text(
+            json.dumps(mistral | {"sliding_window": window, "max_position_embeddings": 32768})
+        )
+        assert check_model_dir(d) == d
+
+
 def test_corrupt_safetensors_is_refused(tmp_path, smollm_dir):
     # cut inside the header of the real file, and inside the data of a small one
     (tmp_path / "a").mkdir()
