@@ -27,8 +27,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 
 class NoFreeBlocks(Exception):
     """An allocation asked for more blocks than are free; nothing was allocated."""
@@ -51,26 +49,6 @@ class BlockTable:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # chained hashes of the leading full blocks, kept so each step hashes only the new block
     hashes: list[bytes] = field(default_factory=list, repr=False)
-    # `blocks` as an int64 tensor, kept in step with it by `block_ids` (appends copy only the new
-    # ids): a step's slot windows are built from these without a Python pass over every block
-    _ids: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _ids_of: list | None = field(default=None, repr=False, compare=False)  # the list _ids mirrors
-    _ids_n: int = field(default=0, repr=False, compare=False)
-
-    def block_ids(self) -> torch.Tensor:
-        """`blocks` as a (len(blocks),) int64 tensor on the CPU. The allocator only appends to a
-        table's list or replaces it, so only the ids appended since the last call are copied."""
-        blocks, n = self.blocks, len(self.blocks)
-        if self._ids_of is not blocks or n < self._ids_n:  # a new list (allocated or freed)
-            self._ids, self._ids_of, self._ids_n = torch.empty(max(16, 2 * n), dtype=torch.long), blocks, 0
-        if n > self._ids_n:
-            if n > self._ids.shape[0]:  # doubling: each id is copied O(1) times over a table's life
-                grown = torch.empty(2 * n, dtype=torch.long)
-                grown[: self._ids_n] = self._ids[: self._ids_n]
-                self._ids = grown
-            self._ids[self._ids_n : n] = torch.tensor(blocks[self._ids_n : n], dtype=torch.long)
-            self._ids_n = n
-        return self._ids[:n]
 
     @property
     def capacity(self) -> int:

@@ -65,17 +65,6 @@ def slot_window(block_lists: list[list[int]], block_size: int, device) -> torch.
     return window.reshape(len(block_lists), width * block_size).to(device)
 
 
-def table_window(tables, block_size: int, device) -> torch.Tensor:
-    """`slot_window` of block tables, from each table's kept tensor of block ids (`block_ids`):
-    the Python work is one copy a row, not a pass over each row's whole block list."""
-    width = max((len(t.blocks) for t in tables), default=0)
-    ids = torch.zeros(len(tables), width, dtype=torch.long)  # padded with block 0, as slot_window
-    for row, table in enumerate(tables):
-        ids[row, : len(table.blocks)] = table.block_ids()
-    window = ids[:, :, None] * block_size + torch.arange(block_size)
-    return window.reshape(len(tables), width * block_size).to(device)
-
-
 def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
     """chunks: (seq, start, end) with seq.token_ids and seq.block_table.blocks covering end."""
     if not chunks:
@@ -95,7 +84,7 @@ def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
         positions=torch.tensor(pos, dtype=torch.long, device=device),
         write_slots=torch.tensor(slots, dtype=torch.long, device=device),
         context_lens=torch.tensor(ctx, dtype=torch.long, device=device),
-        slot_window=table_window([s.block_table for s, _, _ in chunks], block_size, device),
+        slot_window=slot_window([s.block_table.blocks for s, _, _ in chunks], block_size, device),
         logits_at=torch.tensor(last, dtype=torch.long, device=device),
         rows=tuple(s for s, _, _ in chunks),
         row_spans=spans,
@@ -121,7 +110,7 @@ def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
         positions=torch.tensor(pos, dtype=torch.long, device=device),
         write_slots=torch.tensor(slots, dtype=torch.long, device=device),
         context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.long, device=device),
-        slot_window=table_window([s.block_table for s in seqs], block_size, device),
+        slot_window=slot_window([s.block_table.blocks for s in seqs], block_size, device),
         logits_at=torch.arange(n, dtype=torch.long, device=device),
         rows=tuple(seqs),
         is_decode=True,

@@ -5,7 +5,6 @@ import hashlib
 import struct
 
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -438,51 +437,3 @@ def test_a_prompt_that_misses_costs_one_hash_not_one_per_block(monkeypatch):
     alloc.cache_full_blocks(table, prompt[:48] + [7])
     calls.clear()
     assert alloc.prompt_blocks_needed(prompt) == 256 - 3 and len(calls) == 4
-
-
-class CountingList(list):
-    """A block list that counts how many of its entries are read."""
-
-    reads = 0
-
-    def __iter__(self):
-        CountingList.reads += len(self)
-        return super().__iter__()
-
-    def __getitem__(self, i):
-        got = super().__getitem__(i)
-        CountingList.reads += len(got) if isinstance(i, slice) else 1
-        return got
-
-    def __add__(self, other):
-        CountingList.reads += len(self)
-        return super().__add__(other)
-
-
-def test_a_steps_window_reads_only_the_blocks_added_since_the_last_step():
-    """A mixed step's plan for a row 16,000 tokens long: the first plan reads its 1,000 block ids
-    once; the next, after one more block, reads a handful, not the whole list again. The window
-    is the block lists' window all the same."""
-    from nanoserve.plan import plan_prefill, slot_window
-    from nanoserve.sampling import SamplingParams
-    from nanoserve.scheduler import Sequence
-
-    alloc = BlockAllocator(1100, 16, enable_prefix_caching=False)
-    seq = Sequence("a", list(range(16000)), SamplingParams(), 16)
-    alloc.allocate_prompt(seq.block_table, seq.token_ids)
-    seq.block_table.blocks = CountingList(seq.block_table.blocks)
-    short = Sequence("b", [1, 2, 3], SamplingParams(), 16)
-    alloc.allocate_prompt(short.block_table, short.token_ids)
-    plans = []
-    for _ in range(2):
-        n = len(seq.token_ids)
-        CountingList.reads = 0
-        plans.append(plan_prefill([(seq, n - 1, n), (short, 0, 3)], 16))
-        reads = CountingList.reads
-        lists = [list.__iter__(seq.block_table.blocks), short.block_table.blocks]
-        want = slot_window([list(x) for x in lists], 16, "cpu")
-        assert torch.equal(plans[-1].slot_window, want)
-        seq.token_ids.append(7)
-        alloc.append_slots(seq.block_table, len(seq.token_ids))
-    assert len(seq.block_table.blocks) == 1001
-    assert reads <= 4, f"the second plan read {reads} block ids of a 1,001-block table"
