@@ -171,9 +171,10 @@ class BlockAllocator:
         # chained block by block and stopped at the first miss: a prompt whose first block is not
         # cached costs one hash here, not one per block (it is asked every step while it waits)
         for i in range(usable // bs):
-            h = _chain(h, token_ids[i * bs : (i + 1) * bs])
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            h = _chain(h, chunk)
             block = self._block_of.get(h)
-            if block is None or self._contents_of[block] != (parent, tuple(token_ids[i * bs : (i + 1) * bs])):
+            if block is None or self._contents_of[block] != (parent, tuple(chunk)):
                 break  # not cached, or a hash collision: the block holds another prefix
             hits.append(block)
             parent = h

@@ -223,7 +223,8 @@ class EngineLoop:
 
     @staticmethod
     def _tell(sink, item) -> None:
-        """A sink of a request the engine does not hold: if it raises, nothing else is owed."""
+        """Hand `item` to a sink whose request the loop no longer holds (refused, or being ended):
+        if it raises, the traceback goes to stderr and nothing else is owed."""
         try:
             sink(item)
         except Exception:
@@ -250,10 +251,7 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 traceback.print_exc(file=sys.stderr)
-            try:
-                stream.sink(Refused(message, status))
-            except Exception:
-                traceback.print_exc(file=sys.stderr)
+            self._tell(stream.sink, Refused(message, status))
             try:
                 self._count_finished(stream, "error")
             except Exception:
@@ -268,7 +266,4 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item[0] == "add":
-                try:
-                    item[4](Refused(message, 503))
-                except Exception:
-                    traceback.print_exc(file=sys.stderr)
+                self._tell(item[4], Refused(message, 503))
