@@ -10,10 +10,11 @@ but its default, never silently ignored: OpenAI's (penalties, logit_bias, suffix
 tool_choice, a `response_format` other than text) and the extensions other servers take
 (vLLM's min_p, repetition_penalty, guided decoding, ...; see `ANSWER_CHANGING`). Unknown fields
 that change nothing (`user`, `metadata`) are ignored. Sizes are capped (`MAX_STOP_CHARS`,
-`MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`, `MAX_LOGPROBS`), so no
-request can make the server do far more work than its context allows, and `BodyLimit` (ASGI
-middleware) answers 413 to a body over the server's cap before it is parsed. Every refusal is
-an `APIError`, which renders as OpenAI's error object:
+`MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`, `MAX_LOGPROBS`, and the
+scores a request may make: the server's `max_score_entries`, `MAX_SCORE_ENTRIES` unless told),
+so no request can make the server do or hold far more than its context allows, and `BodyLimit`
+(ASGI middleware) answers 413 to a body over the server's cap before it is parsed. Every refusal
+is an `APIError`, which renders as OpenAI's error object:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
@@ -86,6 +87,11 @@ MAX_PARTS = 64  # text parts in one message's content
 MAX_N = 16  # answers one prompt may ask for (n, and best_of, the samples they are chosen from)
 MAX_PROMPTS = 64  # prompts in one completions request
 MAX_SAMPLES = 256  # sequences one request may start: prompts x best_of (or n)
+MAX_BODY_BYTES = 4 * 2**20  # the default request-body cap: far above any prompt a context holds
+# The default cap on the scores one request may make: a score is a token's log-probability or
+# one alternative's (a token asked with logprobs N has N + 1). 2**20 of them is 8 MiB held
+# (an id and a float32 each) and some tens of MB of JSON; 16 answers x 2,048 tokens x 21 fit.
+MAX_SCORE_ENTRIES = 2**20
 
 
 class StreamOptions(BaseModel):
@@ -295,3 +301,34 @@ class BodyLimit:
             return await receive()  # after the body: only http.disconnect can come
 
         await self.app(scope, replay, send)
+
+
+# --- the score budget ---------------------------------------------------------------------------
+
+
+def score_entries(sequences: int, max_tokens: int, top: int, prompt_tokens: int = 0) -> int:
+    """Scores a request can make: each generated token of each sequence, and each echoed prompt
+    token, has its own log-probability and `top` alternatives'. 4 sequences x 100 tokens with
+    logprobs 5 -> 4 * 100 * 6 = 2,400."""
+    return (sequences * max_tokens + prompt_tokens) * (top + 1)
+
+
+def check_score_budget(
+    budget: int, chat: bool, prompts: int, samples: int, max_tokens: int, top: int, prompt_tokens: int
+) -> None:
+    """Refuse, before any work, a request whose scores could exceed `budget` entries."""
+    entries = score_entries(prompts * samples, max_tokens, top, prompt_tokens)
+    if entries <= budget:
+        return
+    top_field = "top_logprobs" if chat else "logprobs"
+    counts = f"{prompts} prompt(s) x {samples} sample(s) (n or best_of) x {max_tokens} max_tokens"
+    if prompt_tokens:
+        counts = f"({counts} + {prompt_tokens} echoed prompt tokens)"
+    raise APIError(
+        400,
+        f"this request could make {entries:,} scores, {counts} x {top + 1} a token ({top_field} "
+        f"{top} + 1), and this server keeps at most {budget:,} a request; lower n, best_of, "
+        f"max_tokens, {top_field} or the number of prompts",
+        param=top_field if chat and top else "logprobs",
+        code="too_many_scores",
+    )

@@ -14,7 +14,8 @@ A step's addressing comes from a `StepPlan` (`plan.py`); `view(plan)` binds the 
 * `attention` gathers each row's keys through its slot window `plan.slot_window[r, :W]` and
   masks every position at or past `plan.context_lens[r]` (a prompt row's causal mask is built
   once a step and shared by the layers). With `attention="native"` one-query rows skip the copy
-  and the mask: the C++ kernel reads each row's K/V where it lies (phase 6, `kernels.py`).
+  and the mask: the C++ kernel reads each row's K/V where it lies (phase 6, `kernels.py`), its
+  window checked once a step and each layer's pools against it.
   A decode step is one batched gather and one SDPA over (rows, W); a prefill step runs each
   row's queries (a ragged chunk of its prompt, packed with the others) against its own window,
   causally; a mixed step's decode rows come first and are batched as in decode. A row with
@@ -50,6 +51,7 @@ class BatchedPagedKVCache:
         self.sink_slot = num_slots
         self.k: list[torch.Tensor | None] = [None] * cfg.num_layers
         self.v: list[torch.Tensor | None] = [None] * cfg.num_layers
+        self._step_memo: dict | None = None  # the step's memo while a step's layer calls attention
 
     def _resolve(self, attention: str) -> str:
         if attention == "native" and self.device.type != "cpu":
@@ -98,15 +100,29 @@ class BatchedPagedKVCache:
         return self._prefill_attention(layer, q, plan, memo)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, plan, memo: dict) -> torch.Tensor:
-        return self._one_query_rows(layer, q, plan.slot_window, plan.context_lens)
+        self._step_memo = memo
+        try:
+            return self._one_query_rows(layer, q, plan.slot_window, plan.context_lens)
+        finally:
+            self._step_memo = None
 
     def _one_query_rows(self, layer: int, q: torch.Tensor, window: torch.Tensor, context_lens):
-        """Rows of one query each (decode): q (B, nh, hd) against window (B, W), context_lens (B,)."""
+        """Rows of one query each (decode): q (B, nh, hd) against window (B, W), context_lens (B,).
+        Called by a step (`_step_memo` is then the step's memo, shared by its layers, and set
+        only for the call), the native kernel's window is checked and copied once (a
+        `DecodeWindow`), and each layer's call checks only its own pools against it, O(1),
+        instead of every slot of the window once a layer; called alone it checks its window. The
+        signature stays the four arguments the course's days call and override."""
         if self.attention == "native":  # in place: no copy, no mask
             from nanoserve.kernels import native
 
+            ext = native()
+            memo = self._step_memo if self._step_memo is not None else {}
+            checked = memo.get("native window")
+            if checked is None:
+                checked = memo["native window"] = ext.DecodeWindow(window, context_lens)
             scale = self.cfg.head_dim**-0.5
-            return native().decode_attention(q, self.k[layer], self.v[layer], window, context_lens, scale)
+            return ext.decode_attention_checked(q, self.k[layer], self.v[layer], checked, scale)
         # gather (days 18-56, kept as it was): each row's window copied, padding and all, then SDPA
         rows, width = window.shape
         flat = window.reshape(-1)  # (B*W,) slot numbers
@@ -129,7 +145,11 @@ class BatchedPagedKVCache:
         d = plan.num_decode  # a mixed step's decode rows: one query each, batched as in decode
         if d:  # their windows cut to the widest of them, not to the widest prompt of the step
             window = plan.slot_window[:d, : plan.decode_width]
-            out[:d] = self._one_query_rows(layer, q[:d], window, plan.context_lens[:d])
+            self._step_memo = memo  # one decode window a step, whichever layer slices it
+            try:
+                out[:d] = self._one_query_rows(layer, q[:d], window, plan.context_lens[:d])
+            finally:
+                self._step_memo = None
         for r, (start, end, ctx) in enumerate(plan.row_spans):
             if r < d or end == start or ctx == 0:
                 continue
@@ -163,7 +183,7 @@ class BatchedCacheRows:
 
     def __init__(self, cache: BatchedPagedKVCache, plan):
         self.cache, self.plan = cache, plan
-        self.memo: dict = {}  # masks shared by every layer of this step
+        self.memo: dict = {}  # what every layer of this step shares: masks, the checked native window
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, k, v, self.plan)

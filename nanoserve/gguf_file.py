@@ -1,6 +1,6 @@
 """Reading a GGUF file (day 2): its config, tokenizer and tensors, and converting it.
 
-`import_gguf` turns any llama-architecture GGUF into the directory layout transformers uses:
+`import_gguf` turns a llama- or qwen2-architecture GGUF into the directory layout transformers uses:
 
     config.json  model.safetensors  tokenizer.json  tokenizer_config.json
     chat_template.jinja  generation_config.json
@@ -139,15 +139,36 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
     raise NanoserveError("the GGUF's rope_freqs are not Llama 3 RoPE scaling; nanoserve cannot run it.")
 
 
-def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def gguf_architecture(reader) -> str:
+    """The file's `general.architecture`, if nanoserve runs it; otherwise a NanoserveError."""
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise NanoserveError(f"the GGUF's architecture is {arch!r}; nanoserve imports only 'llama' GGUFs.")
+    if arch not in ARCHITECTURES:
+        raise NanoserveError(
+            f"the GGUF's architecture is {arch!r}; nanoserve imports "
+            f"{' and '.join(map(repr, ARCHITECTURES))} GGUFs."
+        )
+    return arch
+
+
+def rotary_rows_permuted(reader) -> bool:
+    """Whether llama.cpp's converter reordered the file's Q/K rows (`unpermute_rotary_rows`): it
+    does for 'llama', whose Hugging Face checkpoints rotate halves while llama.cpp's llama graph
+    rotates pairs; a 'qwen2' file is run with the halves' rotation (NEOX) and kept as it was."""
+    return gguf_architecture(reader) == "llama"
+
+
+def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
+    arch = gguf_architecture(reader)
 
     def get(key, default=None):
-        value = _field(reader, f"llama.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
         if value is None:
-            raise NanoserveError(f"the GGUF lacks 'llama.{key}', which a Llama needs; use a complete file.")
+            raise NanoserveError(
+                f"the GGUF lacks '{arch}.{key}', which a {arch} model needs; use a complete file."
+            )
         return value
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
@@ -155,8 +176,8 @@ def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
     # The embedding's rows are the model's vocabulary, which may exceed the tokenizer's (padding).
     vocab = shapes.get("token_embd.weight", [len(_field(reader, "tokenizer.ggml.tokens") or [])])[0]
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
         "vocab_size": int(get("vocab_size", vocab)),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -169,7 +190,8 @@ def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
         "rms_norm_eps": _round_f32(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _round_f32(get("rope.freq_base", 10000.0)),
         "rope_scaling": None,
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,  # qwen2's are implied by its type
+        "use_sliding_window": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "initializer_range": 0.02,
@@ -180,7 +202,7 @@ def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
     }
     for key in ("bos", "eos", "padding"):
         config[f"{key[:3]}_token_id"] = _field(reader, f"tokenizer.ggml.{key}_token_id")
-    kind = _field(reader, "llama.rope.scaling.type")
+    kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": _round_f32(get("rope.scaling.factor"))}
     elif kind not in (None, "none"):
@@ -192,6 +214,7 @@ def _state_dict(reader, config: dict, dtype: torch.dtype) -> dict[str, torch.Ten
     from gguf.quants import dequantize
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = rotary_rows_permuted(reader)
     out = {}
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)  # numpy float32, (rows, cols) as Hugging Face has them
@@ -199,9 +222,9 @@ def _state_dict(reader, config: dict, dtype: torch.dtype) -> dict[str, torch.Ten
             config["rope_scaling"] = _llama3_rope_scaling(w, config["head_dim"], config["rope_theta"])
             continue
         w = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the reader's map is read-only
-        if ".attn_q." in t.name:
+        if permuted and ".attn_q." in t.name:  # weights and biases alike
             w = unpermute_rotary_rows(w, heads)
-        elif ".attn_k." in t.name:
+        elif permuted and ".attn_k." in t.name:
             w = unpermute_rotary_rows(w, kv_heads)
         out[hf_name(t.name)] = w.to(dtype).contiguous()
     return out

@@ -58,6 +58,9 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: dict | None = None
+    # biases: Qwen2 adds one to Q, K and V (not O); a Llama with attention_bias to all four
+    qkv_bias: bool = False
+    o_bias: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
@@ -66,6 +69,8 @@ class LlamaConfig:
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         heads = d["num_attention_heads"]
+        qwen2 = d.get("model_type") == "qwen2"  # transformers' Qwen2Attention: q, k, v biased, o not
+        llama_bias = bool(d.get("attention_bias", False)) and not qwen2
         try:
             return cls(
                 vocab_size=d["vocab_size"],
@@ -80,6 +85,8 @@ class LlamaConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 rope_scaling=scaling,
+                qkv_bias=qwen2 or llama_bias,
+                o_bias=llama_bias,
             )
         except KeyError as e:
             raise NanoserveError(
@@ -256,12 +263,22 @@ class Block(nn.Module):
         self.post_norm = nn.Parameter(torch.ones(h, **kw), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw), requires_grad=False)
         self.down = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw), requires_grad=False)
+        # added after their matmuls, before the rotation (as transformers' q_proj(x) + bias does)
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size, **kw), requires_grad=False)
+            if cfg.qkv_bias
+            else None
+        )
+        self.o_bias = nn.Parameter(torch.zeros(h, **kw), requires_grad=False) if cfg.o_bias else None
         self.tp = None  # under tensor parallelism (tp.py): the group whose all-reduces sum o and down
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)  # (N, H)
-        qkv = linear(h, self.qkv).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qkv = linear(h, self.qkv)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qkv = qkv.view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         qk = apply_rope(
             qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos, sin
         )  # (N, nh + nkv, hd): one rotation
@@ -269,6 +286,8 @@ class Block(nn.Module):
         cache.write(self.layer, k, qkv[:, cfg.num_heads + cfg.num_kv_heads :])
         attn = cache.attention(self.layer, q)  # (N, nh, hd)
         out = linear(attn.reshape(n, self.q_size), self.o)
+        if self.o_bias is not None:  # under tensor parallelism rank 0 holds it, the others zeros
+            out = out + self.o_bias
         if self.tp is not None:  # this rank's heads' part of the projection: summed over ranks
             out = self.tp.all_reduce(out)
         x = x + out
@@ -345,6 +364,8 @@ class Llama(nn.Module):
             return "the linears are packed for oneDNN, which the fused step cannot read (linear='plain')"
         if native() is None:
             return f"the native kernels are {native_status()}"
+        if self.cfg.qkv_bias or self.cfg.o_bias:
+            return "the fused decode step has no attention biases (Qwen2's); this model's step runs as ops"
         return None
 
     def fused_decode(self, plan, cache) -> torch.Tensor:
@@ -432,7 +453,15 @@ class Llama(nn.Module):
             )
             qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             put(b.qkv, qkv, p + "self_attn.qkv")
+            if b.qkv_bias is not None:
+                put(
+                    b.qkv_bias,
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                    p + "qkv bias",
+                )
             put(b.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if b.o_bias is not None:
+                put(b.o_bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(b.gate_up, gate_up, p + "mlp.gate_up")
             put(b.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
@@ -450,6 +479,7 @@ def model_weight_bytes(model: Llama) -> int:
     ws = [model.embed, model.head, model.norm]
     for b in model.blocks:
         ws += [b.input_norm, b.post_norm] + [getattr(b, n) for n in ("qkv", "o", "gate_up", "down")]
+        ws += [w for w in (b.qkv_bias, b.o_bias) if w is not None]
     for w in ws:
         if id(w) not in seen:
             seen.add(id(w))

@@ -18,10 +18,11 @@ measured ~5% faster here, the two layouts alternating in one process; `from_gguf
 `quantize` give the file's "gguf" layout, which the kernels read too, with the same sums in
 the same order).
 
-With int8 activations on a CPU with AVX512-VNNI (`native().has_tiles()`, decided by the build's
--march=native) the matrices are kept in "tiles" instead (`QuantTensor.tiles`, `tile_rows`):
-sixteen rows' blocks interleaved four bytes at a time, so that one vpdpbusd multiplies four
-columns of 16 rows by four activations and the kernel streams a tile's bytes in order,
+With int8 activations on a CPU with AVX512-VNNI (`native().has_tiles()`: whether the build, for
+this CPU or the ISA `NANOSERVE_ISA` names, has the instructions) the matrices are kept in "tiles"
+instead (`QuantTensor.tiles`, `tile_rows`): sixteen rows' blocks interleaved four bytes at a time,
+so that one vpdpbusd multiplies four columns of 16 rows by four activations and the kernel streams
+a tile's bytes in order,
 prefetching 4 KB ahead. The integer sums are the split kernel's exactly; only the order of the
 float additions differs. Measured on a 2-core Xeon with AVX-512, all of SmolLM2's matrices one
 after another at batch 1 (best of 5, the two alternating): 2.5 ms over tiles (39.5 GB/s; 3.1 ms
@@ -190,7 +191,10 @@ class QuantTensor:
         """Rows `ids` (N,) widened to fp32, (N, in): what an embedding lookup needs."""
         ext = _native()
         if ext is not None:
-            return ext.embed_rows(ids.reshape(-1).long(), self.blocks, self.code, self.shape[1])
+            # the true row count: tiles store padding rows past it, which no id may reach
+            return ext.embed_rows(
+                ids.reshape(-1).long(), self.blocks, self.code, self.shape[1], self.shape[0]
+            )
         return dequantize_torch(self.gguf_blocks(ids.reshape(-1)), self.kind, (ids.numel(), self.shape[1]))
 
     def __repr__(self) -> str:
@@ -357,12 +361,13 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
     """A `Llama` whose matrices are the GGUF's own blocks: Q4_1 and Q8_0 tensors kept as the file
     holds them, float tensors (F32, F16, BF16) as fp32. `weights` names the block matrices' kind
     and must be what the file holds; a file whose matrices are in another type is refused."""
-    from nanoserve.gguf_file import _open_gguf, hf_name, unpermute_rotary_rows
+    from nanoserve.gguf_file import _open_gguf, hf_name, rotary_rows_permuted, unpermute_rotary_rows
     from nanoserve.model import Llama
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights are one of {', '.join(WEIGHTS)}, not {weights!r}")
     reader = _open_gguf(path)
+    permuted = rotary_rows_permuted(reader)
     model = Llama(cfg, dtype=torch.float32, device="cpu")
     found: dict[str, object] = {}
     for t in reader.tensors:
@@ -382,7 +387,7 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
                 "and float tensors as a GGUF holds them (convert this file with import-gguf and serve "
                 "the fp32 model, or quantize that with --weights)"
             )
-        if ".attn_q." in t.name or ".attn_k." in t.name:
+        if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             rows = w.shape[0]
             order = unpermute_rotary_rows(torch.arange(rows), heads)
@@ -429,6 +434,16 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
         for name, w in mats.items():
             _set(b, name, check(w, getattr(b, name).shape, p + name))
             matrix_kinds.add(w.kind if isinstance(w, QuantTensor) else "f32")
+        if b.qkv_bias is not None:
+            b.qkv_bias.copy_(
+                check(
+                    torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                    b.qkv_bias.shape,
+                    p + "qkv bias",
+                )
+            )
+        if b.o_bias is not None:
+            b.o_bias.copy_(check(take(p + "self_attn.o_proj.bias"), b.o_bias.shape, p + "o bias"))
     model.norm.copy_(take("norm.weight"))
     embed = check(take("embed_tokens.weight"), model.embed.shape, "embed_tokens")
     head = found.pop("lm_head.weight", None)

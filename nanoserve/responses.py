@@ -11,13 +11,17 @@ minutes. Both classes therefore run the work next to a listener for `http.discon
   computation and `on_disconnect()` aborts the request.
 
 `Answer` is what both carry: one request's outputs in OpenAI's completion or chat shape, whole
-or as server-sent event chunks.
+or as server-sent event chunks, one `Choice` per answer. A choice keeps its scores packed
+(`ScoreColumns`: ids and float32 values, 8 bytes a score) rather than as the engine's Python
+objects, and a streamed choice keeps nothing it has sent. How many scores a request may make at
+all is the server's budget (api.check_score_budget), checked before it starts.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from array import array
 from typing import Any
 
 import anyio
@@ -79,8 +83,74 @@ class WhenDone(Response):
             await response(scope, receive, send)
 
 
+class ScoreColumns:
+    """Scores of a run of tokens, packed in four flat arrays: for each token the id scored and its
+    log-probability, and `top` alternatives (id, log-probability), most likely first.
+
+    A token's scores take 8 * (top + 1) bytes here (a 4-byte id and a float32 each), where the
+    engine's `TokenLogprobs` holds a list of Python tuples (about 2.5 KB with 20 alternatives).
+    float32 loses nothing: the engine computes log-probabilities in float32
+    (`sampling.logprobs_of`). A position without a score (a prompt's first token) has id -1;
+    a shorter list of alternatives is padded with id -1."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self.ids = array("i")  # (tokens,)
+        self.values = array("f")  # (tokens,)
+        self.top_ids = array("i")  # (tokens * top,)
+        self.top_values = array("f")  # (tokens * top,)
+        self._pad_ids, self._pad_values = array("i", [-1]) * top, array("f", [0.0]) * top
+
+    @classmethod
+    def of(cls, entries: list, top: int) -> ScoreColumns:
+        cols = cls(top)
+        cols.extend(entries)
+        return cols
+
+    def extend(self, entries: list) -> None:
+        """Append the engine's `TokenLogprobs` (or None for a position without a score)."""
+        top = self.top
+        for e in entries:
+            if e is None:
+                self.ids.append(-1)
+                self.values.append(0.0)
+                self.top_ids.extend(self._pad_ids)
+                self.top_values.extend(self._pad_values)
+                continue
+            self.ids.append(e.token_id)
+            self.values.append(e.logprob)
+            pairs = e.top[:top]
+            for t, lp in pairs:
+                self.top_ids.append(t)
+                self.top_values.append(lp)
+            if len(pairs) < top:
+                self.top_ids.extend(self._pad_ids[len(pairs) :])
+                self.top_values.extend(self._pad_values[len(pairs) :])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def clear(self) -> None:
+        for a in (self.ids, self.values, self.top_ids, self.top_values):
+            del a[:]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.itemsize * len(a) for a in (self.ids, self.values, self.top_ids, self.top_values))
+
+    def scored(self, i: int) -> bool:
+        return self.ids[i] >= 0
+
+    def alternatives(self, i: int, top: int) -> list[tuple[int, float]]:
+        """Position i's `top` most likely (id, log-probability), padding left out."""
+        start = i * self.top
+        ids = self.top_ids[start : start + min(top, self.top)]
+        values = self.top_values[start : start + min(top, self.top)]
+        return [(t, v) for t, v in zip(ids, values) if t >= 0]
+
+
 class Scores:
-    """OpenAI's two shapes of log-probabilities, from the engine's `TokenLogprobs`.
+    """OpenAI's two shapes of log-probabilities, from `ScoreColumns`.
 
     Completions (`logprobs: N`): parallel lists `tokens`, `token_logprobs`, `top_logprobs` (a
     dict of the N most likely, plus the chosen token when it is not among them) and
@@ -98,83 +168,100 @@ class Scores:
     def _bytes(self, token_id: int) -> list[int]:
         return list(self.tok.token_bytes(token_id)) if self.tok is not None else []
 
-    def completion(self, entries: list, token_ids: list[int], offsets: list[int]) -> dict:
-        tops = []
-        for e in entries:
-            if e is None:
-                tops.append(None)
-                continue
-            top = {self.name(t): lp for t, lp in e.top[: self.top]}
-            top.setdefault(self.name(e.token_id), e.logprob)
-            tops.append(top)
-        return {
-            "tokens": [self.name(t) for t in token_ids],
-            "token_logprobs": [None if e is None else e.logprob for e in entries],
-            "top_logprobs": tops,
-            "text_offset": list(offsets),
-        }
+    def completion(self, parts: list[tuple]) -> dict:
+        """`parts`: runs of (columns or None when not yet scored, token ids, text offsets), in
+        order (an echoed prompt's, then the generated tokens')."""
+        tokens, logprobs, tops, offsets = [], [], [], []
+        for cols, ids, offs in parts:
+            tokens += [self.name(t) for t in ids]
+            offsets += list(offs)
+            for i in range(len(ids)):
+                if cols is None or not cols.scored(i):
+                    logprobs.append(None)
+                    tops.append(None)
+                    continue
+                lp = cols.values[i]
+                top = {self.name(t): v for t, v in cols.alternatives(i, self.top)}
+                top.setdefault(self.name(cols.ids[i]), lp)
+                logprobs.append(lp)
+                tops.append(top)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat(self, entries: list) -> dict:
+    def chat(self, cols: ScoreColumns) -> dict:
         content = [
             {
-                "token": self.name(e.token_id),
-                "logprob": e.logprob,
-                "bytes": self._bytes(e.token_id),
+                "token": self.name(cols.ids[i]),
+                "logprob": cols.values[i],
+                "bytes": self._bytes(cols.ids[i]),
                 "top_logprobs": [
                     {"token": self.name(t), "logprob": lp, "bytes": self._bytes(t)}
-                    for t, lp in e.top[: self.top]
+                    for t, lp in cols.alternatives(i, self.top)
                 ],
             }
-            for e in entries
+            for i in range(len(cols))
         ]
         return {"content": content, "refusal": None}
 
 
 class Choice:
-    """One answer of a request: its text, tokens and scores as they arrive."""
+    """One answer of a request: its text, tokens and scores as they arrive. Streamed, it holds
+    only what has not been sent yet (`Answer.chunk` clears the rest).
 
-    def __init__(self, index: int, n_prompt: int, echo: tuple[str, list[int], list[int]] | None = None):
-        self.index, self.n_prompt = index, n_prompt
+    `top`: the alternatives to keep a token (None: no scores are kept, only their running sum,
+    which best_of ranks by). `echo`: (the prompt's text, its token ids, each token's offset in
+    that text)."""
+
+    def __init__(
+        self, index: int, echo: tuple[str, list[int], list[int]] | None = None, top: int | None = None
+    ):
+        self.index = index
         self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.entries: list = []  # TokenLogprobs of the generated tokens
-        self.offsets: list[int] = []  # where each generated token's text starts
+        self.token_ids = array("i")
+        self.offsets = array("i")  # where each token's text starts in the choice's text
+        self.scores = ScoreColumns(top) if top is not None else None
+        self.logprob_sum, self.scored = 0.0, 0
         self.finish: str | None = None
-        self.chars = 0
-        # echo: (the prompt's text, its token ids, each token's offset in that text)
         self.echo = echo
-        self.prompt_entries: list | None = None
-        if echo is not None:
-            self.chars = len(echo[0])
-        self.sent = 0  # tokens already streamed
+        self.prompt_scores: ScoreColumns | None = None  # the echoed prompt's, shared by its samples
+        self.base = len(echo[0]) if echo is not None else 0  # the generated text starts here
+        self.chars = self.base  # characters of text so far, echo included
         self.echo_sent = False
 
     def add(self, out: RequestOutput) -> None:
-        if out.prompt_logprobs is not None:
-            self.prompt_entries = out.prompt_logprobs
-        for _ in out.new_token_ids:
-            self.offsets.append(self.chars)
-        self.text.append(out.text_delta)
-        self.chars += len(out.text_delta)
+        offsets = getattr(out, "text_offsets", None)
+        if offsets is not None:  # the engine's: right even when text was held back
+            self.offsets.extend([self.base + o for o in offsets])
+        else:  # no tokenizer: no text, every offset is where the text is now
+            self.offsets.extend([self.chars] * len(out.new_token_ids))
+        if out.text_delta:
+            self.text.append(out.text_delta)
+            self.chars += len(out.text_delta)
         self.token_ids.extend(out.new_token_ids)
-        self.entries.extend(out.logprobs or [])
+        for e in out.logprobs or ():
+            self.logprob_sum += e.logprob
+            self.scored += 1
+        if self.scores is not None and out.logprobs:
+            self.scores.extend(out.logprobs)
         self.finish = out.finish_reason
 
-    def echo_scored(self) -> tuple[list, list[int], list[int]]:
-        """The echoed prompt's (scores, token ids, offsets); scores all None until they arrive."""
-        _, ids, offsets = self.echo
-        return self.prompt_entries or [None] * len(ids), ids, offsets
+    def sent(self) -> None:
+        """Everything held has been streamed: drop it."""
+        self.text.clear()
+        del self.token_ids[:], self.offsets[:]
+        if self.scores is not None:
+            self.scores.clear()
 
     @property
     def mean_logprob(self) -> float:
         """Per generated token: how best_of ranks its samples (OpenAI's 'log probability per token')."""
-        return sum(e.logprob for e in self.entries) / max(len(self.entries), 1)
+        return self.logprob_sum / max(self.scored, 1)
 
 
 class Answer:
     """One request's response, whole (`whole`) or as server-sent event chunks (`chunk`), in
-    OpenAI's completion or chat shape, with one `Choice` per answer. `scores` (a `Scores`) is set
-    when the request asked for log-probabilities."""
+    OpenAI's completion or chat shape, with one `Choice` per answer, `samples` a prompt (choices
+    k of one prompt are consecutive). `scores` (a `Scores`) is set when the request asked for
+    log-probabilities."""
 
     def __init__(
         self,
@@ -185,16 +272,23 @@ class Answer:
         with_ids: bool,
         choices: list[Choice] | None = None,
         scores: Scores | None = None,
+        samples: int = 1,
     ):
         self.rid, self.model, self.chat, self.n_prompt, self.with_ids = rid, model, chat, n_prompt, with_ids
         self.created = int(time.time())
-        self.choices = choices if choices is not None else [Choice(0, n_prompt)]
-        self.scores = scores
+        self.choices = choices if choices is not None else [Choice(0)]
+        self.scores, self.samples = scores, samples
         self.generated = 0  # tokens every sample made, returned or not (best_of): what was computed
 
     def add(self, out: RequestOutput, k: int = 0) -> None:
         self.generated += len(out.new_token_ids)
         self.choices[k].add(out)
+        if out.prompt_logprobs is not None and self.scores is not None:
+            # the prompt is scored once, by its first sample; every sample of it echoes that
+            cols = ScoreColumns.of(out.prompt_logprobs, self.scores.top)
+            first = k - k % self.samples
+            for c in self.choices[first : first + self.samples]:
+                c.prompt_scores = cols
 
     def usage(self) -> dict:
         n = self.generated
@@ -209,17 +303,18 @@ class Answer:
             "choices": choices,
         } | extra
 
-    def _logprobs(self, c: Choice, start: int, with_echo: bool):
-        """Scores of c's tokens from `start` on, with the echoed prompt's first when with_echo."""
+    def _echo_part(self, c: Choice) -> tuple:
+        _, ids, offsets = c.echo
+        return c.prompt_scores, ids, offsets
+
+    def _logprobs(self, c: Choice, with_echo: bool):
+        """Scores of the tokens c holds, with the echoed prompt's first when with_echo."""
         if self.scores is None:
             return None
-        entries, ids, offsets = c.entries[start:], c.token_ids[start:], c.offsets[start:]
         if self.chat:
-            return self.scores.chat(entries)
-        if with_echo and c.echo is not None:
-            p_entries, p_ids, p_offsets = c.echo_scored()
-            entries, ids, offsets = [*p_entries, *entries], [*p_ids, *ids], [*p_offsets, *offsets]
-        return self.scores.completion(entries, ids, offsets)
+            return self.scores.chat(c.scores)
+        parts = [self._echo_part(c)] if with_echo and c.echo is not None else []
+        return self.scores.completion([*parts, (c.scores, c.token_ids, c.offsets)])
 
     def whole(self, picked: list[Choice] | None = None) -> dict:
         """The whole answer; `picked`: the choices to return, in order (best_of chose them)."""
@@ -231,9 +326,9 @@ class Answer:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = (c.echo[0] if c.echo is not None else "") + text
-            choice["logprobs"] = self._logprobs(c, 0, with_echo=True)
+            choice["logprobs"] = self._logprobs(c, with_echo=True)
             if self.with_ids:
-                choice["token_ids"] = c.token_ids
+                choice["token_ids"] = c.token_ids.tolist()
             out.append(choice)
         return self._body("chat.completion" if self.chat else "text_completion", out, usage=self.usage())
 
@@ -252,27 +347,30 @@ class Answer:
         return self._event([choice], **({"usage": None} if include_usage else {}))
 
     def echo_chunk(self, k: int, include_usage: bool = False) -> str:
-        """A completion's echoed prompt, with its scores, before choice k's first token."""
+        """A completion's echoed prompt, with its scores, before choice k's first token; the
+        choice keeps neither once it is sent."""
         c = self.choices[k]
-        c.echo_sent = True
         logprobs = None
         if self.scores is not None:
-            logprobs = self.scores.completion(*c.echo_scored())
+            logprobs = self.scores.completion([self._echo_part(c)])
         choice = {"index": k, "text": c.echo[0], "finish_reason": None, "logprobs": logprobs}
+        c.echo_sent, c.echo, c.prompt_scores = True, None, None
         return self._event([choice], **({"usage": None} if include_usage else {}))
 
-    def chunk(self, k: int, delta: str, finish: str | None, include_usage: bool = False) -> str:
-        """Choice k's text since its last chunk, with the scores and ids of every token since."""
+    def chunk(self, k: int, include_usage: bool = False) -> str:
+        """Choice k's text since its last chunk, with the scores and ids of every token since;
+        the choice drops them once they are in the chunk."""
         c = self.choices[k]
-        choice: dict[str, Any] = {"index": k, "finish_reason": finish}
+        delta = "".join(c.text)
+        choice: dict[str, Any] = {"index": k, "finish_reason": c.finish}
         if self.chat:
             choice["delta"] = {"content": delta} if delta else {}
         else:
             choice["text"] = delta
-        choice["logprobs"] = self._logprobs(c, c.sent, with_echo=False)
+        choice["logprobs"] = self._logprobs(c, with_echo=False)
         if self.with_ids:
-            choice["token_ids"] = c.token_ids[c.sent :]
-        c.sent = len(c.token_ids)
+            choice["token_ids"] = c.token_ids.tolist()
+        c.sent()
         return self._event([choice], **({"usage": None} if include_usage else {}))
 
     def usage_chunk(self) -> str:

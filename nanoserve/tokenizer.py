@@ -102,7 +102,9 @@ LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3")
+# Qwen2's: Llama 3's with numbers cut into single digits, after an NFC normalization.
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3", "qwen2")
 
 
 def bpe_from_vocab(tokens, token_types, merges, pre: str = "default", bos_id: int | None = None):
@@ -112,7 +114,7 @@ def bpe_from_vocab(tokens, token_types, merges, pre: str = "default", bos_id: in
     `token_types` follow llama.cpp (1 normal, 3 control, 4 user-defined); `pre` is llama.cpp's
     name for the pre-tokenizer. With `bos_id`, encoding with special tokens puts BOS in front.
     """
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as Backend
 
     if pre not in PRE_TOKENIZERS:
@@ -126,15 +128,18 @@ def bpe_from_vocab(tokens, token_types, merges, pre: str = "default", bos_id: in
     llama3 = pre in ("llama-bpe", "llama3")
     # Llama 3's own tokenizer.json takes a whole word from the vocabulary before merging.
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=llama3))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not llama3)
+    split_first = llama3 or pre == "qwen2"  # a Split does what ByteLevel's own regex would
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not split_first)
     if pre == "smollm":
         # SmolLM's own tokenizer (and llama.cpp's 'smollm') cuts numbers into single digits first.
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
-    elif llama3:
-        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+    elif split_first:
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT if llama3 else QWEN2_SPLIT), behavior="isolated")
         backend.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+        if pre == "qwen2":
+            backend.normalizer = normalizers.NFC()
     else:
         backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()

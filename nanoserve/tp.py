@@ -2,6 +2,12 @@
 
     torchrun --nproc-per-node 3 -m nanoserve serve      # gloo on CPU, NCCL on CUDA
     torchrun --nproc-per-node 3 -m nanoserve generate "Say hi."
+    torchrun --nnodes 3 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        --rdzv-id ID -m nanoserve serve                 # the same line on each of 3 machines
+
+Across machines, rank 0 is global RANK 0 as torchrun sets it (the c10d rendezvous assigns the
+ranks itself and ignores --node-rank), so whichever machine gets it serves; LOCAL_RANK only
+picks the GPU. tests/test_tp.py runs three such launches on 127.0.0.1.
 
 Each block is split Megatron's way, by heads and by MLP columns; every rank holds only its share
 of the weights and of the KV pool:
@@ -25,18 +31,54 @@ width); `check_split` refuses any other with a sentence naming the counts the mo
 SmolLM2-135M has 3 K/V heads: 1 or 3 ranks.
 
 Rank 0 owns the engine: the scheduler, the sampling and the server (`/health`, `/metrics`).
-Before each step it broadcasts the step's plan (`announce`); the other ranks (`run_worker`) wait
-for plans, run the same forward on their shares and their own pools, and take part in its
-collectives. Their pools stay in step with rank 0's because they execute every plan rank 0 does.
-The KV pool is planned for the whole model (the same blocks, so the same schedule, as one
-process with that budget); each rank holds its heads' part of it. Steps are eager: buckets,
-persistent inputs, capture and the fused step are off under tensor parallelism.
+Before each step it hands the step's plan to the others (`announce`, `guard`); they
+(`run_worker`) wait for plans, run the same forward on their shares and their own pools, and
+take part in its collectives. Their pools stay in step with rank 0's because they execute every
+plan rank 0 does. The KV pool is planned for the whole model (the same blocks, so the same
+schedule, as one process with that budget); each rank holds its heads' part of it. Steps are
+eager: buckets, persistent inputs, capture and the fused step are off under tensor parallelism.
 
-Faults: every rank must join within `EngineConfig.join_timeout` (`init`), or the engine's build fails with a
-sentence saying so and the server's /health answers 503 "failed". A rank that dies mid-run
-closes its sockets; rank 0's next collective raises `RankLost`, which stops the engine loop:
-requests in flight end with an error, /health turns 503 "failed" with the reason. Nothing waits
-forever on a dead peer. (Under torchrun the agent then stops the remaining ranks too.)
+The hand-off is two int64 tensors, not a pickle: a header of `HEADER` numbers, the same shape
+on every rank (the plan's kind and the length of each of its parts), then one payload holding
+the plan's tensors end to end, which the workers split by the header's lengths. Measured with
+3 ranks over gloo on the 2-core machine while other jobs loaded it (load average 7-8), decode
+plans at a 200-token context in 16-token blocks, 300 hand-offs a figure, two runs; "pickle" is
+what `broadcast_object_list` sent before:
+
+    decode rows   pickle                            tensors
+     1             3,676 bytes, 3.0-3.6 ms           1,800 bytes, 1.7-1.9 ms
+    16            29,358 bytes, 2.9-4.5 ms          27,720 bytes, 1.8-2.1 ms
+
+The bytes barely move at 16 rows (the slot window, B x 208 int64, is most of either); the time
+does, and it is the serializing: packing and unpacking in one process took 71 and 85 us against
+1.8 and 2.4 ms for torch to pickle and unpickle the same six tensors. Both ways cost two
+broadcasts (the pickle's length, then its bytes), and a hand-off counts as one in `collectives`
+either way. Only the pool layout at setup still travels as a pickle, once.
+
+Faults: every rank must join within `EngineConfig.join_timeout` (`init`), or the engine's build
+fails with a sentence saying so and the server's /health answers 503 "failed". A rank that dies
+mid-run closes its sockets; rank 0's next collective raises `RankLost`, which stops the engine
+loop: requests in flight end with an error, /health turns 503 "failed" with the reason. Nothing
+waits forever on a dead peer. (Under torchrun, a rank that exits non-zero makes its agent stop
+the other ranks on that machine, rank 0 included.)
+
+The ranks stay in step only while every collective one of them enters is entered by all, in the
+same order. So a step is open on rank 0 from the moment its plan leaves until its logits are
+gathered (the step's last collective), and the rule is: an error on rank 0 while a step is open
+ends tensor parallelism. `announce` only packs the plan; rank 0's forward sends it as its first
+act (`guard`), so an error before that (scheduling, packing, binding the cache) sends nothing:
+the ranks are still in step, that step fails alone and serving goes on, as in one process. So
+does an error after the gather (sampling, detokenizing). An error while the step is open, on the
+other hand, leaves the workers inside a collective rank 0 will never join; the next plan's
+broadcast would pair with it. Rank 0 then writes the reason under `BROKEN_KEY` in the group's
+store, takes its process groups down and raises `StepBroken` (`fatal`, as `RankLost` is), so the
+loop dies as above. The workers stop this way: with gloo, rank 0's sockets close and a worker's
+pending collective fails at once; the worker reads the reason from the store, says it in one
+line and exits 1. For a collective that may not notice closed sockets (NCCL's, which waits on
+the GPU; not tried here, for want of GPUs), each worker runs a thread (`watch_for_break`) that
+checks the store every second and, if the main thread has not ended by itself within
+BREAK_GRACE, says the same line and ends the process. A rank lost in the middle of a step is
+handled the same way, so the ranks still alive stop too.
 """
 
 from __future__ import annotations
@@ -47,19 +89,31 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
 from nanoserve.errors import NanoserveError
+from nanoserve.plan import PrefillPlan, StepPlan
 
 JOIN_TIMEOUT = 60.0  # seconds every rank has to join the group
 STEP_TIMEOUT = datetime.timedelta(days=7)  # a collective between steps: an idle server waits long
+BROKEN_KEY = "nanoserve/tp/step-broken"  # in the group's store: why rank 0 broke off a step
+BREAK_GRACE = 10.0  # seconds a worker's main thread has to end by itself once rank 0 broke a step
 
 
 class RankLost(RuntimeError):
     """A collective failed: another rank died or dropped its connection. `fatal`: the engine loop
     stops on it (loop.py) instead of failing one step and going on, since no step can run now."""
+
+    fatal = True
+
+
+class StepBroken(RuntimeError):
+    """Rank 0 failed while a step was open (module doc): the workers are inside a collective it
+    will never join, so no later step can pair its collectives with theirs. `fatal`, like
+    `RankLost`."""
 
     fatal = True
 
@@ -125,19 +179,70 @@ class Share:
         )
 
 
+# --- the plan as tensors ------------------------------------------------------------------------
+
+# header: [kind, is_decode, tokens N, rows B, window width W, logits rows M, row spans R,
+#          num_decode, decode_width]; kind 0 is "no more steps"
+HEADER = 9
+STOP, KINDS = 0, (None, StepPlan, PrefillPlan)
+
+
+def pack_plan(plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header (HEADER,), payload) of int64 for `plan`: its addressing, never its sequences.
+    payload = input_ids, positions, write_slots (N each), context_lens (B), slot_window (B*W),
+    logits_at (M), row_spans (R*3), end to end."""
+    window = plan.slot_window
+    spans = torch.tensor(plan.row_spans, dtype=torch.long).reshape(-1)
+    header = [
+        KINDS.index(type(plan)),
+        int(plan.is_decode),
+        plan.num_tokens,
+        *window.shape,
+        plan.logits_at.shape[0],
+        len(plan.row_spans),
+        getattr(plan, "num_decode", 0),
+        getattr(plan, "decode_width", 0),
+    ]
+    parts = [plan.input_ids, plan.positions, plan.write_slots, plan.context_lens, window, plan.logits_at]
+    payload = torch.cat([t.reshape(-1).long().cpu() for t in parts] + [spans])
+    return torch.tensor(header, dtype=torch.long), payload
+
+
+def payload_length(header: list[int]) -> int:
+    _, _, n, b, w, m, r, _, _ = header
+    return 3 * n + b + b * w + m + 3 * r
+
+
+def unpack_plan(header: list[int], payload: torch.Tensor):
+    """The plan `pack_plan` packed, its tensors views on `payload` (so on payload's device)."""
+    kind, is_decode, n, b, w, m, r, num_decode, decode_width = header
+    ids, pos, writes, ctx, window, logits_at, spans = torch.split(payload, [n, n, n, b, b * w, m, 3 * r])
+    fields = dict(
+        input_ids=ids, positions=pos, write_slots=writes, context_lens=ctx, slot_window=window.view(b, w),
+        logits_at=logits_at, is_decode=bool(is_decode), row_spans=list(map(tuple, spans.view(r, 3).tolist())),
+    )  # fmt: skip
+    if KINDS[kind] is PrefillPlan:
+        fields |= dict(num_decode=num_decode, decode_width=decode_width)
+    return KINDS[kind](**fields)
+
+
 class TP:
     """A rank's end of the group: the collectives the model calls and the step hand-off."""
 
-    def __init__(self, rank: int, world: int, backend: str, group, share: Share, full_cfg):
+    def __init__(self, rank: int, world: int, backend: str, group, share: Share, full_cfg, store=None):
         self.rank, self.world, self.backend, self.group = rank, world, backend, group
         self.share, self.full_cfg = share, full_cfg
+        self.store = store  # the group's store; held, so that it outlives the groups (module doc)
         self.device = torch.device("cpu")  # this rank's device (load_share sets it)
         self.collectives = 0  # called by this rank since start (the day counts them)
         self.shares: list[Share] = [share]  # rank 0: every rank's, after `setup`
         self.stopped = False
+        self.steps = 0  # plans sent (rank 0) or received (a worker)
+        self.pending = None  # rank 0: the packed plan `announce` left for the next forward
+        self.open = False  # rank 0: a step's plan has left and its logits are not gathered yet
 
-    def _call(self, fn, *args, **kwargs):
-        self.collectives += 1
+    def _call(self, fn, *args, counted: bool = True, **kwargs):
+        self.collectives += counted
         try:
             return fn(*args, group=self.group, **kwargs)
         except RuntimeError as e:
@@ -164,32 +269,84 @@ class TP:
         self._call(dist.gather, logits, parts, dst=0)
         if self.rank != 0:
             return logits
+        self.open = False  # the step's last collective: the ranks are in step again
         return torch.cat(parts, dim=1)[:, : self.full_cfg.vocab_size]
 
     # --- the step hand-off ---------------------------------------------------------------------
 
     def _broadcast(self, obj):
+        """A pickle from rank 0: only at setup, once (module doc)."""
         box = [obj]
         self._call(dist.broadcast_object_list, box, src=0)
         return box[0]
 
     def announce(self, plan) -> None:
-        """Rank 0, before each forward: the plan every rank runs (addressing only, no sequences)."""
-        skip = ("rows", "chunks")  # sequences: rank 0's business
-        fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name not in skip}
-        # tensors travel as CPU tensors: each rank puts them on its own device (cuda:r on GPUs)
-        fields = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-        self._broadcast(("step", type(plan).__name__, fields))
+        """Rank 0, before each forward: pack the plan every rank runs; `guard`'s forward sends it.
+        Nothing leaves here, so an error before the forward leaves the ranks in step."""
+        self.pending = pack_plan(plan)
+
+    def guard(self, forward):
+        """Rank 0's model forward, wrapped: it sends the announced plan, then runs the step; an
+        error while the step is open breaks the group off (`_break_off`, module doc)."""
+
+        def step(*args, **kwargs):
+            if self.pending is None:
+                raise RuntimeError("rank 0 ran a forward with no plan announced; no other rank would join it")
+            (header, payload), self.pending = self.pending, None
+            try:
+                self.open = True
+                self.steps += 1
+                self._call(dist.broadcast, header.to(self.device), src=0)
+                self._call(dist.broadcast, payload.to(self.device), src=0, counted=False)  # one hand-off
+                return forward(*args, **kwargs)
+            except BaseException as e:
+                if not self.open:  # after the gather: the ranks are in step, the step fails alone
+                    raise
+                broken = self._break_off(e)
+                if broken is None:
+                    raise
+                raise broken from e
+
+        return step
+
+    def _break_off(self, e: BaseException) -> StepBroken | None:
+        """Rank 0 failed inside an open step: leave the reason in the store, take the groups down
+        (a gloo worker's pending collective fails at once) and return the fatal error to raise
+        (None: raise e itself, a RankLost or an interrupt)."""
+        line = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        note = f"rank 0 failed in the middle of step {self.steps} ({type(e).__name__}: {line})"
+        self.open, self.stopped = False, True
+        try:
+            self.store.set(BROKEN_KEY, note)
+        except Exception:  # no store, or it is gone: the closed sockets still say it
+            pass
+        _take_down()
+        self.group = None
+        if isinstance(e, RankLost) or not isinstance(e, Exception):
+            return None
+        return StepBroken(
+            f"{note}; the other ranks were inside a collective it would not join, so no later step "
+            "can run: the group was taken down and the workers exit (restart all ranks)"
+        )
 
     def receive(self):
-        """A worker: the next plan, or None when rank 0 has stopped (or failed to build)."""
-        from nanoserve import plan as plans
-
-        msg = self._broadcast(None)
-        if msg[0] != "step":
+        """A worker: the next plan, or None when rank 0 has stopped."""
+        header = torch.empty(HEADER, dtype=torch.long, device=self.device)
+        self._call(dist.broadcast, header, src=0)
+        header = header.tolist()
+        if header[0] == STOP:
             return None
-        fields = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in msg[2].items()}
-        return getattr(plans, msg[1])(**fields)
+        payload = torch.empty(payload_length(header), dtype=torch.long, device=self.device)
+        self._call(dist.broadcast, payload, src=0, counted=False)  # one hand-off, as on rank 0
+        self.steps += 1
+        return unpack_plan(header, payload)
+
+    def broken_note(self) -> str | None:
+        """A worker: rank 0's reason for breaking off a step, if it left one."""
+        try:
+            return self.store.get(BROKEN_KEY).decode() if self.store.check([BROKEN_KEY]) else None
+        except Exception:  # the store went with rank 0
+            return None
 
     def stop(self) -> None:
         """Rank 0: tell the workers there are no more steps (once; a dead group is let be)."""
@@ -197,7 +354,7 @@ class TP:
             return
         self.stopped = True
         try:
-            self._broadcast(("stop",))
+            self._call(dist.broadcast, torch.zeros(HEADER, dtype=torch.long, device=self.device), src=0)
             self.leave()
         except RankLost:
             pass
@@ -233,6 +390,34 @@ class TP:
             "backend": self.backend,
             "shares": [dataclasses.asdict(s) for s in self.shares],
         }
+
+
+def _take_down() -> None:
+    """Destroy this process's groups (a group already half gone is let be)."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def watch_for_break(store, rank: int, done: threading.Event, poll=1.0, grace=BREAK_GRACE, exit=os._exit):
+    """A worker's thread: once rank 0 has left a note under BROKEN_KEY, give the main thread
+    `grace` seconds to end by itself (`done`; with gloo its collective fails at once), then say
+    the note and end the process, so that a collective that does not notice closed sockets
+    cannot keep the rank waiting for STEP_TIMEOUT."""
+    while not done.wait(poll):
+        try:
+            if not store.check([BROKEN_KEY]):
+                continue
+            note = store.get(BROKEN_KEY).decode()
+        except Exception:  # the store went with rank 0: the collectives say so themselves
+            return
+        if done.wait(grace):
+            return
+        print(f"nanoserve: error: rank {rank}: {note}; this rank exits", file=sys.stderr, flush=True)
+        exit(1)
+        return
 
 
 def _weight_bytes(model) -> int:
@@ -289,7 +474,11 @@ def shard(full, rank: int, world: int):
             mine.input_norm.copy_(theirs.input_norm)
             mine.post_norm.copy_(theirs.post_norm)
             mine.qkv.copy_(torch.cat([theirs.qkv[q], theirs.qkv[k], theirs.qkv[v]]))
+            if mine.qkv_bias is not None:  # split with its rows
+                mine.qkv_bias.copy_(torch.cat([theirs.qkv_bias[q], theirs.qkv_bias[k], theirs.qkv_bias[v]]))
             mine.o.copy_(theirs.o[:, q])
+            if mine.o_bias is not None:  # added once to the sum: rank 0 holds it, the others zeros
+                mine.o_bias.copy_(theirs.o_bias if rank == 0 else torch.zeros_like(theirs.o_bias))
             mine.gate_up.copy_(torch.cat([theirs.gate_up[cols], theirs.gate_up[inter + rank * i_l :][:i_l]]))
             mine.down.copy_(theirs.down[:, cols])
         model.norm.copy_(full.norm)
@@ -333,12 +522,15 @@ def load_share(config, model_dir, device: torch.device):
     rank, world, backend, group = init(device, config.join_timeout)
     full = load_model(model_dir, dtype=getattr(torch, config.dtype), device=device)
     model, share = shard(full, rank, world)
-    tp = TP(rank, world, backend, group, share, full.cfg)
+    # the default group's store (the rendezvous' TCPStore); torch has no public getter for it
+    tp = TP(rank, world, backend, group, share, full.cfg, store=dist.distributed_c10d._get_default_store())
     tp.device = model.device
     del full
     model.tp = tp
     for b in model.blocks:
         b.tp = tp
+    if rank == 0:
+        model.forward = tp.guard(model.forward)  # sends each plan; breaks the group off on an error
     return model, tp
 
 
@@ -365,6 +557,8 @@ def run_worker(config) -> None:
     tp.share.kv_tokens = num_slots
     tp.share.kv_pool_bytes = pool_bytes(model, num_slots)
     tp._call(dist.gather_object, tp.share, None, dst=0)  # rank 0 prints every rank's share
+    done = threading.Event()  # set when this thread is on its way out: the watcher stands down
+    threading.Thread(target=watch_for_break, args=(tp.store, tp.rank, done), daemon=True).start()
     steps = 0
     try:
         with torch.inference_mode():
@@ -372,7 +566,14 @@ def run_worker(config) -> None:
                 model(plan.input_ids, plan.positions, cache.view(plan), logits_at=plan.logits_at)
                 steps += 1
     except RankLost as e:
+        done.set()
+        note = tp.broken_note()
+        _take_down()
+        if note is not None:
+            raise NanoserveError(f"rank {tp.rank}: {note}; this rank exits after {steps} steps") from None
         raise NanoserveError(f"rank {tp.rank}: rank 0 is gone after {steps} steps ({e})") from None
+    finally:
+        done.set()
     try:
         tp.leave()
     except RankLost:

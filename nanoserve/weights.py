@@ -27,6 +27,7 @@ from nanoserve.fetch import (  # noqa: F401 -- re-exported
     default_model_dir,
     fetch_default_gguf,
     fetch_default_model,
+    fetch_named_model,
     nanoserve_home,
     sha256_of,
 )
@@ -40,7 +41,8 @@ from nanoserve.gguf_file import (  # noqa: F401 -- re-exported
 
 # --- loading a Hugging Face-layout directory ---
 
-LLAMA_TYPES = ("llama", "mistral")
+LLAMA_TYPES = ("llama", "mistral", "qwen2")  # Qwen2: a Llama with biases on Q, K and V
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -68,17 +70,18 @@ def load_config(path: str | Path) -> dict:
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """`path` as a Path if it is a Llama-family model directory; otherwise a NanoserveError saying why."""
+    """`path` as a Path if it is a Llama-family (or Qwen2) model directory; otherwise a
+    NanoserveError saying why."""
     path = Path(path).expanduser()
     if not path.is_dir():
         raise NanoserveError(f"the model directory {path} does not exist; pass a directory or omit --model.")
     config = load_config(path)
     kind = config.get("model_type")
     archs = config.get("architectures") or []
-    if kind not in LLAMA_TYPES or not all(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs):
+    if kind not in LLAMA_TYPES or not all(a in ARCHITECTURES for a in archs):
         raise NanoserveError(
             f"{path} holds a {kind or 'untyped'} model ({', '.join(archs) or 'no architectures'}); "
-            "nanoserve runs only Llama-family models."
+            "nanoserve runs Llama-family and Qwen2 models only."
         )
     window, context = config.get("sliding_window"), config.get("max_position_embeddings")
     if window is not None and config.get("use_sliding_window", True) and not (context and window >= context):
@@ -120,5 +123,13 @@ def load_state_dict(
 
 
 def resolve_model_dir(model: str | Path | None, home: str | Path | None = None) -> Path:
-    """The directory to load: the default model (fetched if needed) when `model` is None."""
-    return fetch_default_model(home) if model is None else check_model_dir(model)
+    """The directory to load: the default model (fetched if needed) when `model` is None or
+    names it; a named model (`fetch.NAMED`, fetched and converted once) by its name; otherwise
+    the directory `model` is."""
+    from nanoserve.fetch import DEFAULT_NAME, NAMED
+
+    if model is None or (str(model) == DEFAULT_NAME and not Path(model).exists()):
+        return fetch_default_model(home)
+    if str(model) in NAMED and not Path(model).exists():
+        return check_model_dir(fetch_named_model(str(model), home))
+    return check_model_dir(model)

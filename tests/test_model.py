@@ -55,6 +55,18 @@ def ours_from_dir(path, dtype=torch.float32):
     return m
 
 
+def tiny_engine_at(path, context=128, max_batch=4, blocks=64):
+    """The servers' tests' engine: a random-weight tiny model (seed 3) with `context` positions,
+    no tokenizer (prompts are ids) and a pool of `blocks` 16-token blocks."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import Engine
+
+    make_tiny_dir(path, seed=3, max_position_embeddings=context)
+    model = ours_from_dir(path)
+    per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
+    return Engine(model, None, EngineConfig(max_batch=max_batch, kv_budget=per_block * blocks))
+
+
 def prefill_logits(model, ids):
     cache = ContiguousKVCache(model.cfg, len(ids) + 8, dtype=model.dtype)
     pos = torch.arange(len(ids))

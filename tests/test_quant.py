@@ -516,3 +516,114 @@ def test_the_fused_step_under_buckets_and_capture_gives_the_same_tokens(tiny_q):
     for p, a, b in zip(prompts, ops, captured):
         check_same_or_near_tie(model, p, a, b, ties)
     assert len(ties) <= 1
+
+
+# --- inputs checked before anything is read or written ----------------------------------------
+
+
+@needs_native
+def test_embed_rows_checks_its_shape_before_it_divides():
+    w = QuantTensor.quantize(random_matrix(20, 64, 11), "q4_1")
+    ids = torch.tensor([1, 19])
+    assert torch.equal(native().embed_rows(ids, w.blocks, 1, 64), w.dequantize()[ids])  # the call works
+    with pytest.raises(RuntimeError, match="columns come in blocks of 32, not 16"):
+        native().embed_rows(ids, w.blocks, 1, 16)  # fewer columns than a block: was a division by zero
+    with pytest.raises(RuntimeError, match="at least one column"):
+        native().embed_rows(ids, w.blocks, 1, 0)
+    with pytest.raises(RuntimeError, match="not whole rows of 96 columns"):
+        native().embed_rows(ids, w.blocks, 1, 96)
+    tiles = w.tiles()  # 32 rows stored for these 20: an id in the padding is refused, not read as zeros
+    assert torch.equal(tiles[ids], w.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="token id 25 is outside the vocabulary of 20"):
+        tiles[torch.tensor([25])]
+
+
+def fused_operands(layers=6, slots=40, seed=0) -> dict:
+    """The arguments of a valid `fused_decode` call, in order, for a small fp32 Llama of `layers`
+    blocks (random matrices of kind 0), two rows; layer 5's pools hold 24 slots, the others
+    `slots`, and every slot written or read is below 24."""
+    hidden, heads, kv, hd, inter, vocab = 64, 4, 2, 16, 96, 50
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.1
+    mats = [r(vocab, hidden)]
+    for _ in range(layers):
+        mats += [
+            r((heads + 2 * kv) * hd, hidden),
+            r(hidden, heads * hd),
+            r(2 * inter, hidden),
+            r(hidden, inter),
+        ]
+    mats.append(r(vocab, hidden))
+    sizes = [24 if i == 5 else slots for i in range(layers)]
+    return dict(
+        ids=torch.tensor([3, 7]),
+        positions=torch.tensor([4, 9]),
+        write_slots=torch.tensor([4, 21]),
+        window=torch.stack([torch.arange(12), torch.arange(12, 24)]),
+        context_lens=torch.tensor([5, 10]),
+        mats=mats,
+        kinds=[0] * len(mats),
+        norms=[1 + r(hidden) for _ in range(2 * layers + 1)],
+        k_pools=[r(n, kv, hd) for n in sizes],
+        v_pools=[r(n, kv, hd) for n in sizes],
+        cos=r(32, hd),
+        sin=r(32, hd),
+        heads=heads,
+        kv_heads=kv,
+        head_dim=hd,
+        intermediate=inter,
+        vocab=vocab,
+        eps=1e-5,
+        int8=False,
+    )
+
+
+def _set_item(name, i, value):
+    return lambda a: a[name].__setitem__(i, value(a) if callable(value) else value)
+
+
+def _no_kv_heads(a):
+    """kv_heads 0 with everything else sized to match: pools of no heads, QKV of the queries alone."""
+    a.update(kv_heads=0)
+    for name in ("k_pools", "v_pools"):
+        a[name] = [torch.zeros(p.shape[0], 0, 16) for p in a[name]]
+    for i in range(1, len(a["mats"]) - 1, 4):
+        a["mats"][i] = a["mats"][i][:64].contiguous()
+
+
+BROKEN_STEP = {
+    "a norm of the wrong length": (_set_item("norms", 3, torch.ones(63)), "norm 3 is 63"),
+    "a write slot past layer 5's pool": (
+        _set_item("write_slots", 1, 30),
+        r"row 1 writes slot 30, outside the pools \(layer 5's hold 24\)",
+    ),
+    "a read slot past layer 5's pool": (
+        lambda a: a["window"].__setitem__((1, 2), 30),  # refused before layers 0-4 are written
+        r"row 1 reads slot 30, outside the pools",
+    ),
+    "a V pool of another size": (
+        _set_item("v_pools", 2, lambda a: torch.zeros(48, 2, 16)),
+        "layer 2's K/V pools are",
+    ),
+    "no K/V heads": (_no_kv_heads, r"heads \(4\) must be a positive multiple of kv_heads \(0\)"),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", BROKEN_STEP)
+def test_the_fused_step_checks_every_input_before_it_writes(case):
+    """Each case breaks one input of a step that runs: the step must refuse it with a sentence
+    before it writes any pool (it used to check the write slots against layer 0's pools only, the
+    norms not at all, and to divide by zero K/V heads)."""
+    args = fused_operands()
+    logits = native().fused_decode(*args.values())
+    assert logits.shape == (2, 50) and torch.isfinite(logits).all()  # the unbroken step runs
+    args = fused_operands()
+    breaks, message = BROKEN_STEP[case]
+    breaks(args)
+    before = [p.clone() for p in args["k_pools"] + args["v_pools"]]
+    with pytest.raises(RuntimeError, match=message):
+        native().fused_decode(*args.values())
+    assert all(torch.equal(a, b) for a, b in zip(before, args["k_pools"] + args["v_pools"])), (
+        "a refused step wrote"
+    )

@@ -633,6 +633,7 @@ def test_serve_help_documents_every_option():
         "--warm-max-width",
         "--max-waiting",
         "--max-body-bytes",
+        "--max-score-entries",
         "--drain-timeout",
         "--graph-budget",
         "--watermark",
@@ -654,6 +655,7 @@ def test_serve_help_documents_every_option():
         (["--kv-budget", "lots"], "lots"),
         (["--warm-max-width", "0"], "warm_max_width must be at least 1"),
         (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be at least 1"),
+        (["--max-score-entries", "0"], "--max-score-entries must be at least 1"),
     ],
 )
 def test_serve_mistakes_are_one_line(args, words):
@@ -678,12 +680,9 @@ def test_serve_refuses_a_port_in_use(smollm_dir):
 
 @pytest.fixture
 def tiny_engine(tmp_path):
-    from tests.test_model import make_tiny_dir, ours_from_dir
+    from tests.test_model import tiny_engine_at
 
-    make_tiny_dir(tmp_path, seed=3, max_position_embeddings=128)
-    model = ours_from_dir(tmp_path)
-    per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
-    return Engine(model, None, EngineConfig(max_batch=4, kv_budget=per_block * 64))
+    return tiny_engine_at(tmp_path)
 
 
 def test_a_step_that_fails_ends_its_requests_and_the_server_goes_on(tiny_engine, monkeypatch):
@@ -703,3 +702,63 @@ def test_a_step_that_fails_ends_its_requests_and_the_server_goes_on(tiny_engine,
     assert failed.status_code == 500 and "aborted" in failed.json()["error"]["message"]
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 4
     assert tiny_engine.allocator.num_used == 0 and not tiny_engine.has_unfinished()
+
+
+def test_a_key_outside_ascii_is_compared_as_utf8_bytes(tiny_engine):
+    """The key and the header are compared as bytes: the key's UTF-8 opens the door, and a
+    wrong header outside ASCII (or not UTF-8 at all) is a 401 with an error object, not a 500."""
+    key = "clé-ключ"
+    body = {"prompt": [5, 6, 7], "max_tokens": 2}
+    with ServerThread(create_app(tiny_engine, api_key=key)) as url:
+
+        def post(authorization: bytes):
+            headers = {"Authorization": authorization}
+            return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30)
+
+        right = post(b"Bearer " + key.encode())
+        wrong = [
+            post("Bearer ключ".encode()),
+            post(b"Bearer \xe9\xff"),
+            post(b"Bearer " + key.encode("latin-1", "replace")),
+        ]
+    assert right.status_code == 200, right.text
+    for r in wrong:
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+
+
+def test_an_unexpected_error_in_a_route_is_a_500_error_object(tiny_engine, monkeypatch, capfd):
+    """A bug in a route (planted: the prompt's encoding raises something no handler expects)
+    gets OpenAI's error object with status 500 and a sentence; the traceback goes to the
+    server's stderr, not to the client; the server goes on."""
+
+    def broken(prompt):
+        raise RuntimeError("planted bug with a secret path /srv/weights")
+
+    monkeypatch.setattr(tiny_engine, "encode_prompt", broken)
+    with ServerThread(create_app(tiny_engine)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        after = httpx.get(url + "/v1/models", timeout=30)
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json", r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert "RuntimeError" in err["message"] and len(err["message"].split()) > 8
+    assert "Traceback" not in r.text and "/srv/weights" not in r.text
+    assert after.status_code == 200
+    logged = capfd.readouterr().err
+    assert "Traceback" in logged and "planted bug" in logged
+
+
+def test_the_generated_docs_are_off_behind_an_api_key(tiny_engine):
+    """With a key, /docs, /redoc and /openapi.json are not served, with or without the key (a
+    browser page cannot send it); without a key they are."""
+    with ServerThread(create_app(tiny_engine, api_key="k")) as url:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            for headers in ({}, {"Authorization": "Bearer k"}):
+                r = httpx.get(url + path, headers=headers, timeout=30)
+                assert r.status_code == 404 and "no route" in r.json()["error"]["message"], (
+                    path,
+                    r.text[:200],
+                )
+    with ServerThread(create_app(tiny_engine)) as url:
+        assert httpx.get(url + "/openapi.json", timeout=30).json()["info"]["title"] == "nanoserve"
+        assert httpx.get(url + "/docs", timeout=30).status_code == 200

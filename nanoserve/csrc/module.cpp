@@ -3,10 +3,17 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention, read in place (CPU)");
+  py::class_<DecodeWindow>(m, "DecodeWindow", "a decode step's window and context lengths, checked once")
+      .def(py::init([](torch::Tensor window, torch::Tensor lens) { return check_window(window, lens); }),
+           py::arg("window"), py::arg("context_lens"))
+      .def_readonly("reach", &DecodeWindow::reach, "1 + the largest slot a row reads");
+  m.def("decode_attention_checked", &decode_attention_checked,
+        "decode_attention over a DecodeWindow: O(1) checks of the pools, no rescan of the window");
   m.def("isa", &isa, "the instructions fp32 decode attention with head_dim 64 was built for");
   m.def("has_tiles", &has_tiles, "whether the int8 tiles kernel (AVX512-VNNI) was built");
   m.def("quant_linear", &quant_linear, "x @ W.T with W as fp32 rows, Q4_1 or Q8_0 blocks (CPU)");
   m.def("dequantize", &dequantize, "W as fp32, (out, in)");
-  m.def("embed_rows", &embed_rows, "rows ids of W as fp32, (len(ids), in)");
+  m.def("embed_rows", &embed_rows, "rows ids of W as fp32, (len(ids), in)", py::arg("ids"), py::arg("w"),
+        py::arg("kind"), py::arg("in_features"), py::arg("rows") = -1);
   m.def("fused_decode", &fused_decode, "one whole decode step of a Llama in one call (CPU)");
 }

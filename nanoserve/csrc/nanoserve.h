@@ -6,6 +6,16 @@
 #include <vector>
 
 // paged_attention.cpp
+// A decode step's window, checked once and then shared by its layers: each layer's call checks
+// its pools against `reach` in O(1) instead of rescanning every slot of the window.
+struct DecodeWindow {
+  torch::Tensor window, context_lens;  // contiguous, (rows, width) and (rows,) int64; copies if kept
+  int64_t reach = 0;                   // 1 + the largest slot a row reads: the pools need this many
+  int64_t widest_row = -1;             // a row that reads slot reach - 1 (for the error message)
+};
+DecodeWindow check_window(torch::Tensor window, torch::Tensor context_lens, bool copy = true);
+torch::Tensor decode_attention_checked(torch::Tensor q, torch::Tensor k, torch::Tensor v, const DecodeWindow& w,
+                                       double scale);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor window,
                                torch::Tensor context_lens, double scale);
 std::string isa();
@@ -14,7 +24,7 @@ std::string isa();
 bool has_tiles();  // the tiles kernel (kinds 5, 6) was built: this CPU has AVX512-VNNI
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t kind, int64_t out_features, bool int8);
 torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, int64_t in_features);
-torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features);
+torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features, int64_t rows = -1);
 torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Tensor write_slots,
                            torch::Tensor window, torch::Tensor context_lens,
                            std::vector<torch::Tensor> mats, std::vector<int64_t> kinds,

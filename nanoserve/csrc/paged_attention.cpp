@@ -13,6 +13,12 @@
 // compiler targets AVX2 and FMA (-march=native on such a CPU) and head_dim is 64, one written
 // in AVX2 intrinsics (decode_kernel_avx2: 2.2x the portable one for 16 rows of ~250 tokens on
 // 2 cores). `isa()` says which one this build holds.
+//
+// Every input is checked before anything is read, in two parts so that a step pays for the
+// window once and not once a layer: `check_window` (a step: types, shapes, every slot a row reads
+// is >= 0, and the window's reach, 1 + the largest such slot) and `decode_attention_checked` (a
+// layer, O(1): device, dtype, the K and V pools of one shape and layout, K/V heads > 0 dividing
+// the query heads, head_dim, and reach within the pools). `decode_attention` is the two in one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -27,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -231,44 +238,94 @@ void decode_kernel_avx2(const torch::Tensor& q, const torch::Tensor& k, const to
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor window,
-                               torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q (B, heads, hd), pools (slots, kv, hd)");
-  TORCH_CHECK(k.strides() == v.strides() && k.stride(2) == 1, "K and V pools must share a contiguous layout");
-  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of K/V heads");
+namespace {
+// An int64 tensor's elements copied into memory the returned tensor owns, without dispatching
+// an aten op (from_blob builds the tensor around the buffer directly).
+torch::Tensor owned_copy(const torch::Tensor& t) {
+  auto buffer = std::make_shared<std::vector<int64_t>>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  int64_t* data = buffer->data();
+  return at::from_blob(data, t.sizes(), [buffer](void*) mutable { buffer.reset(); },
+                          torch::TensorOptions().dtype(torch::kLong));
+}
+}  // namespace
+
+DecodeWindow check_window(torch::Tensor window, torch::Tensor context_lens, bool copy) {
   TORCH_CHECK(window.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
-              "window and context_lens are int64");
-  TORCH_CHECK(window.dim() == 2 && window.size(0) == q.size(0) && context_lens.numel() == q.size(0),
-              "one window row and one context length per query row");
-  q = q.contiguous();
-  window = window.contiguous();
-  context_lens = context_lens.contiguous();
-  {  // every slot a row reads must lie in the pools: a bad window is an error, never a stray read
-    const int64_t* w = window.data_ptr<int64_t>();
-    const int64_t* c = context_lens.data_ptr<int64_t>();
-    const int64_t width = window.size(1), slots = k.size(0);
-    for (int64_t b = 0; b < window.size(0); ++b) {
-      const int64_t n = std::min<int64_t>(c[b], width);
-      for (int64_t j = 0; j < n; ++j)
-        TORCH_CHECK(w[b * width + j] >= 0 && w[b * width + j] < slots, "row ", b, " reads slot ",
-                    w[b * width + j], ", outside the pools' ", slots, " slots");
+              "window and context_lens are int64, not ", window.scalar_type(), " and ",
+              context_lens.scalar_type());
+  TORCH_CHECK(window.device().is_cpu() && context_lens.device().is_cpu(),
+              "window and context_lens are CPU tensors, not on ", window.device(), " and ", context_lens.device());
+  TORCH_CHECK(window.dim() == 2 && context_lens.dim() == 1 && context_lens.size(0) == window.size(0),
+              "the window is (rows, width) with one context length a row, (rows,), not ", window.sizes(),
+              " and ", context_lens.sizes());
+  // A window kept past this call (a DecodeWindow in Python, read by later layers) is a copy: the
+  // caller's tensor could be written between the check and a later layer's read. Within one
+  // call nothing can, and a contiguous view is enough. The copy is made here in plain C++ (no
+  // aten op: the course's days count a step's aten ops, and checking adds none).
+  DecodeWindow out{window.contiguous(), context_lens.contiguous()};
+  if (copy) {
+    out.window = owned_copy(out.window);
+    out.context_lens = owned_copy(out.context_lens);
+  }
+  const int64_t* w = out.window.data_ptr<int64_t>();
+  const int64_t* c = out.context_lens.data_ptr<int64_t>();
+  const int64_t width = window.size(1);
+  for (int64_t b = 0; b < window.size(0); ++b) {
+    const int64_t n = std::min<int64_t>(c[b], width);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = w[b * width + j];
+      TORCH_CHECK(s >= 0, "row ", b, " reads slot ", s, ", outside the pools (slots are counted from 0)");
+      if (s + 1 > out.reach) {
+        out.reach = s + 1;
+        out.widest_row = b;
+      }
     }
   }
+  return out;
+}
+
+torch::Tensor decode_attention_checked(torch::Tensor q, torch::Tensor k, torch::Tensor v, const DecodeWindow& w,
+                                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "decode attention takes q (rows, heads, head_dim) and pools (slots, kv_heads, head_dim), not q ",
+              q.sizes(), ", K ", k.sizes(), ", V ", v.sizes());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "decode attention is a CPU kernel; q, K and V are on ", q.device(), ", ", k.device(), ", ",
+              v.device());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "q, K and V share one dtype, not ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(k.sizes() == v.sizes(), "the K and V pools of a layer have one shape, not K ", k.sizes(), " and V ",
+              v.sizes());
+  TORCH_CHECK(k.strides() == v.strides() && k.stride(2) == 1, "K and V pools must share a contiguous layout");
+  TORCH_CHECK(k.size(1) > 0, "the pools hold no K/V heads (shape ", k.sizes(), ")");
+  TORCH_CHECK(q.size(2) == k.size(2), "q's head_dim ", q.size(2), " is not the pools' ", k.size(2));
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads (", q.size(1), ") must be a multiple of K/V heads (",
+              k.size(1), ")");
+  TORCH_CHECK(q.size(0) == w.window.size(0), "one window row per query row: ", q.size(0), " queries, ",
+              w.window.size(0), " window rows");
+  TORCH_CHECK(w.reach <= k.size(0), "row ", w.widest_row, " reads slot ", w.reach - 1, ", outside the pools' ",
+              k.size(0), " slots");
+  q = q.contiguous();
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat) {
 #ifdef NANOSERVE_AVX2
     if (q.size(2) == 64) {
-      decode_kernel_avx2<8>(q, k, v, window, context_lens, out, scale);
+      decode_kernel_avx2<8>(q, k, v, w.window, w.context_lens, out, scale);
       return out;
     }
 #endif
-    decode_kernel<float>(q, k, v, window, context_lens, out, scale);
+    decode_kernel<float>(q, k, v, w.window, w.context_lens, out, scale);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_kernel<at::BFloat16>(q, k, v, window, context_lens, out, scale);
+    decode_kernel<at::BFloat16>(q, k, v, w.window, w.context_lens, out, scale);
   } else {
-    TORCH_CHECK(false, "decode_attention takes float32 or bfloat16");
+    TORCH_CHECK(false, "decode attention takes float32 or bfloat16, not ", q.scalar_type());
   }
   return out;
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor window,
+                               torch::Tensor context_lens, double scale) {
+  return decode_attention_checked(q, k, v, check_window(window, context_lens, /*copy=*/false), scale);
 }
 
 std::string isa() {

@@ -30,7 +30,10 @@
 // `fused_decode` is a Llama decode step (one new token per row) written out: embedding, then per
 // block RMSNorm, QKV, rotary, the K/V write into the paged pools, attention (decode_attention,
 // paged_attention.cpp), the output projection, RMSNorm, gate/up, SiLU, down; the final norm and
-// the head. One call from Python instead of ~2,000 torch operations a step.
+// the head. One call from Python instead of ~2,000 torch operations a step. It checks all its
+// inputs before it writes anything: every norm's length, every layer's K/V pools (shape, dtype,
+// device) and the write and read slots against the smallest of them, every matrix's size, and the
+// window once (check_window, paged_attention.cpp), which the layers then share.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -48,6 +51,7 @@
 #include <type_traits>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -727,17 +731,28 @@ torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, in
   return y;
 }
 
-torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features) {
-  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "ids are (N,) int64");
-  ids = ids.contiguous();
-  const int64_t rows = kind == 0 ? w.size(0) : w.numel() / (in_features / QK * block_bytes(kind));
-  // (tiles: the rows stored, padding included; the caller's ids are checked against its vocabulary)
+torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features, int64_t rows) {
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.device().is_cpu(),
+              "ids are (N,) int64 on the CPU");
+  TORCH_CHECK(kind >= 0 && kind <= 6,
+              "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), not ", kind);
+  TORCH_CHECK(in_features > 0, "an embedding row has at least one column, not ", in_features);
+  TORCH_CHECK(kind == 0 || in_features % QK == 0, "a quantized weight's columns come in blocks of 32, not ",
+              in_features);
+  if (rows < 0) {  // the rows the bytes hold (tiles: padding included)
+    const int64_t row_bytes = kind == 0 ? in_features * 4 : in_features / QK * block_bytes(kind);
+    TORCH_CHECK(w.numel() * w.element_size() % row_bytes == 0, "the weight's ", w.numel() * w.element_size(),
+                " bytes are not whole rows of ", in_features, " columns");
+    rows = w.numel() * w.element_size() / row_bytes;
+  }
   const Weight wt = weight_of(w, kind, rows, in_features);
+  ids = ids.contiguous();
   auto y = torch::empty({ids.numel(), in_features}, torch::dtype(torch::kFloat));
   const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "token id ", ip[i], " is outside the vocabulary of ", rows);
   float* yp = y.data_ptr<float>();
   for (int64_t i = 0; i < ids.numel(); ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "token id ", ip[i], " is outside the vocabulary of ", rows);
     if (kind == 0) {
       std::memcpy(yp + i * in_features, wt.data + ip[i] * wt.row_bytes, in_features * 4);
       continue;
@@ -754,31 +769,77 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            std::vector<torch::Tensor> v_pools, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                            int64_t vocab, double eps, bool int8) {
+  // Everything is checked here, before the first K/V write: an error leaves the pools as they were.
   const int64_t layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(mats.size() == static_cast<size_t>(4 * layers + 2) && kinds.size() == mats.size(),
               "mats: the embedding, four matrices a block, the head; one kind each");
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * layers + 1) && v_pools.size() == k_pools.size(),
               "norms: two a block and the final one; one K and one V pool a block");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads (", heads,
+              ") must be a positive multiple of kv_heads (", kv_heads, ")");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim is positive and even (rotary halves), not ", head_dim);
+  TORCH_CHECK(intermediate > 0 && vocab > 0, "intermediate (", intermediate, ") and vocab (", vocab,
+              ") are positive");
   TORCH_CHECK(ids.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong &&
                   write_slots.scalar_type() == torch::kLong,
               "ids, positions and write_slots are int64");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == head_dim,
-              "the rotary tables are contiguous float32 (positions, head_dim)");
+  TORCH_CHECK(ids.device().is_cpu() && positions.device().is_cpu() && write_slots.device().is_cpu(),
+              "ids, positions and write_slots are CPU tensors");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.device().is_cpu() &&
+                  sin.device().is_cpu() && cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(1) == head_dim,
+              "the rotary tables are contiguous float32 (positions, head_dim = ", head_dim, ") on the CPU, not ",
+              cos.sizes(), " and ", sin.sizes());
+  const int64_t hidden = norms[0].numel();
+  TORCH_CHECK(hidden > 0, "the norms are empty");
+  for (size_t i = 0; i < norms.size(); ++i)
+    TORCH_CHECK(norms[i].scalar_type() == torch::kFloat && norms[i].is_contiguous() &&
+                    norms[i].device().is_cpu() && norms[i].numel() == hidden,
+                "norm ", i, " is ", norms[i].numel(), " ", norms[i].scalar_type(), " on ", norms[i].device(),
+                "; every norm is ", hidden, " contiguous float32 on the CPU");
   ids = ids.contiguous();
   positions = positions.contiguous();
   write_slots = write_slots.contiguous();
-  const int64_t b = ids.numel(), hidden = norms[0].numel(), half = head_dim / 2;
+  const int64_t b = ids.numel(), half = head_dim / 2;
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const int64_t qkv_size = q_size + 2 * kv_size, vocab_rows = vocab;
   TORCH_CHECK(positions.numel() == b && write_slots.numel() == b, "one position and one slot a row");
+  const DecodeWindow checked = check_window(window, context_lens, /*copy=*/false);  // read within this call
+  TORCH_CHECK(checked.window.size(0) == b, "one window row a row: ", b, " rows, ", checked.window.size(0),
+              " window rows");
+  // The pools: every layer's, each K and V of one shape; the fewest slots bound every write and read.
+  int64_t fewest = std::numeric_limits<int64_t>::max(), fewest_layer = -1;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor &kp = k_pools[l], &vp = v_pools[l];
+    TORCH_CHECK(kp.scalar_type() == torch::kFloat && vp.scalar_type() == torch::kFloat && kp.is_contiguous() &&
+                    vp.is_contiguous() && kp.device().is_cpu() && vp.device().is_cpu() && kp.dim() == 3 &&
+                    kp.sizes() == vp.sizes() && kp.size(1) == kv_heads && kp.size(2) == head_dim,
+                "layer ", l, "'s K/V pools are ", kp.sizes(), " and ", vp.sizes(),
+                "; each is contiguous float32 (slots, kv_heads = ", kv_heads, ", head_dim = ", head_dim,
+                ") on the CPU");
+    if (kp.size(0) < fewest) {
+      fewest = kp.size(0);
+      fewest_layer = l;
+    }
+  }
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < b; ++r) {
     TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "position ", pos[r], " is past the rotary tables");
-    TORCH_CHECK(slots[r] >= 0 && slots[r] < k_pools[0].size(0), "row ", r, " writes slot ", slots[r],
-                ", outside the pools");
+    TORCH_CHECK(slots[r] >= 0 && (layers == 0 || slots[r] < fewest), "row ", r, " writes slot ", slots[r],
+                ", outside the pools (layer ", fewest_layer, "'s hold ", fewest, ")");
   }
+  TORCH_CHECK(layers == 0 || checked.reach <= fewest, "row ", checked.widest_row, " reads slot ",
+              checked.reach - 1, ", outside the pools (layer ", fewest_layer, "'s hold ", fewest, ")");
+  std::vector<Weight> ws;  // mats[1:] in order, checked against the shapes this config implies
+  for (int64_t l = 0; l < layers; ++l) {
+    ws.push_back(weight_of(mats[1 + 4 * l], kinds[1 + 4 * l], qkv_size, hidden));
+    ws.push_back(weight_of(mats[2 + 4 * l], kinds[2 + 4 * l], hidden, q_size));
+    ws.push_back(weight_of(mats[3 + 4 * l], kinds[3 + 4 * l], 2 * intermediate, hidden));
+    ws.push_back(weight_of(mats[4 + 4 * l], kinds[4 + 4 * l], hidden, intermediate));
+  }
+  ws.push_back(weight_of(mats[4 * layers + 1], kinds[4 * layers + 1], vocab_rows, hidden));
+  auto weight = [&](int64_t i) -> const Weight& { return ws[i - 1]; };  // i: the index into mats
   auto f32 = torch::dtype(torch::kFloat);
   torch::Tensor x = embed_rows(ids, mats[0], kinds[0], hidden);  // (B, H)
   auto h = torch::empty({b, hidden}, f32), tmp = torch::empty({b, hidden}, f32);
@@ -789,18 +850,13 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
   float *gup = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  auto weight = [&](int64_t i, int64_t rows, int64_t cols) { return weight_of(mats[i], kinds[i], rows, cols); };
 
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor &kp = k_pools[l], &vp = v_pools[l];
-    TORCH_CHECK(kp.scalar_type() == torch::kFloat && kp.is_contiguous() && vp.is_contiguous() &&
-                    kp.size(1) == kv_heads && kp.size(2) == head_dim,
-                "the K/V pools are contiguous float32 (slots, kv_heads, head_dim)");
     rms_norm(xp, norms[2 * l].data_ptr<float>(), b, hidden, eps, hp);
-    const Weight w_o = weight(2 + 4 * l, hidden, q_size), w_gu = weight(3 + 4 * l, 2 * intermediate, hidden);
-    const Weight w_down = weight(4 + 4 * l, hidden, intermediate);
-    const Weight w_next = l + 1 < layers ? weight(5 + 4 * l, qkv_size, hidden) : weight(4 * layers + 1, vocab_rows, hidden);
-    matmul(hp, b, weight(1 + 4 * l, qkv_size, hidden), qkvp, int8, &w_o);
+    const Weight &w_o = weight(2 + 4 * l), &w_gu = weight(3 + 4 * l), &w_down = weight(4 + 4 * l);
+    const Weight& w_next = weight(5 + 4 * l);  // the next block's QKV, or after the last block the head
+    matmul(hp, b, weight(1 + 4 * l), qkvp, int8, &w_o);
     for (int64_t r = 0; r < b; ++r) {  // rotate q and k, store k and v, gather q
       float* row = qkvp + r * qkv_size;
       const float *c = cp + pos[r] * head_dim, *s = sp + pos[r] * head_dim;
@@ -816,7 +872,7 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
       std::memcpy(kp.data_ptr<float>() + slots[r] * kv_size, row + q_size, kv_size * 4);
       std::memcpy(vp.data_ptr<float>() + slots[r] * kv_size, row + q_size + kv_size, kv_size * 4);
     }
-    torch::Tensor attn = decode_attention(q, kp, vp, window, context_lens, scale);  // (B, heads, hd)
+    torch::Tensor attn = decode_attention_checked(q, kp, vp, checked, scale);  // (B, heads, hd)
     matmul(attn.data_ptr<float>(), b, w_o, tp, int8, &w_gu);
     for (int64_t i = 0; i < b * hidden; ++i) xp[i] += tp[i];
     rms_norm(xp, norms[2 * l + 1].data_ptr<float>(), b, hidden, eps, hp);
@@ -831,6 +887,6 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
   }
   rms_norm(xp, norms[2 * layers].data_ptr<float>(), b, hidden, eps, hp);
   auto logits = torch::empty({b, vocab_rows}, f32);
-  matmul(hp, b, weight(4 * layers + 1, vocab_rows, hidden), logits.data_ptr<float>(), int8);
+  matmul(hp, b, weight(4 * layers + 1), logits.data_ptr<float>(), int8);
   return logits;
 }

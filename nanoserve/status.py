@@ -1,0 +1,120 @@
+"""What the server says about itself (days 41, 45, 56): its state, `/health`'s body, the boot line.
+
+    state = ServerState()          # phase: loading -> warming -> ready -> draining, or failed
+    body, status = health(state)   # what GET /health answers
+    boot_line(engine, "127.0.0.1:8000")
+
+`ServerState` is the one object the routes, the request handlers and the lifecycle share: the
+engine once built, its loop, the phase, and why it failed. The rest are plain functions of an
+engine that turn its plans into dicts and one printed line, so a notebook can call them without
+a server. Routes live in serve.py, the running of a request in handlers.py, shutdown in
+lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from nanoserve.engine import Engine
+from nanoserve.loop import EngineLoop
+from nanoserve.quant import WEIGHTS, describe_weights
+
+
+class ServerState:
+    def __init__(self):
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self.phase = "loading"  # loading | warming | ready | draining | failed
+        self.error: str | None = None
+        self.created = int(time.time())
+
+    def fail(self, reason: str) -> None:
+        self.phase, self.error = "failed", reason
+
+
+def pool_dict(engine: Engine) -> dict:
+    plan = engine.pool
+    return dataclasses.asdict(plan) | {"num_slots": plan.num_slots, "describe": plan.describe()}
+
+
+def paths_dict(engine: Engine) -> dict:
+    """What the weights are and which way each part of a step runs (engine.paths_line)."""
+    from nanoserve.model import model_weight_bytes
+
+    model = engine.model
+    quantized = model.weights in WEIGHTS
+    return {
+        "weights": model.weights,
+        "activations": model.head.activations if quantized else model.weights,
+        "weight_bytes": model_weight_bytes(model),
+        "linears": engine.linear,
+        "decode_step": engine.decode_step,
+        # the fused step is one native call for any batch shape: nothing is compiled or recorded
+        # per shape, so it adds nothing to the warm list
+        "decode_step_setup_s": 0.0,
+        "decode_attention": engine.cache.attention,
+    }
+
+
+def tp_dict(engine: Engine) -> dict:
+    """Under tensor parallelism: the rank count and each rank's share (tp.py); else nothing."""
+    tp = getattr(engine.model, "tp", None)
+    return {} if tp is None else {"tensor_parallel": tp.as_dict()}
+
+
+def warm_dict(engine: Engine) -> dict | None:
+    """The warm plan as /health reports it, with what recorded graphs hold now."""
+    runner = engine.runner
+    if not runner.capture:
+        return None
+    report = engine.warm_report.as_dict() if engine.warm_report is not None else {}
+    return report | {
+        "recording": "lazy" if runner.lazy else "warm list only",
+        "graphs_now": len(runner.graphs),
+        "graph_bytes": runner.graph_bytes,
+        "graph_budget_bytes": runner.graph_budget,
+        "eager_steps": runner.eager_steps,
+    }
+
+
+def health(state: ServerState) -> tuple[dict, int]:
+    """/health's body and status: 200 with the pool, the warm plan and the queue when ready;
+    503 with the phase (and the reason, or what is still in flight while draining) otherwise."""
+    eng = state.engine
+    if state.phase != "ready":
+        body = {"status": state.phase, "error": state.error}
+        if state.phase == "draining" and state.loop is not None:
+            body["in_flight"] = state.loop.in_flight
+        return body, 503
+    body = {
+        "status": "ok",
+        "model": eng.model_name,
+        "max_model_len": eng.max_model_len,
+        "pool": pool_dict(eng),
+        "warm": warm_dict(eng),
+        "paths": paths_dict(eng),
+        "running": len(eng.scheduler.running),
+        "waiting": len(eng.scheduler.waiting),
+        "kv_blocks_used": eng.allocator.num_used,
+    }
+    return body | tp_dict(eng), 200
+
+
+def boot_line(engine: Engine, address: str | None = None) -> str:
+    """One line: model, dtype, device, pool, warm list, and where it listens."""
+    p, w = engine.pool, engine.warm_report
+    warm = f"{w.graphs} graphs in {w.seconds:.2f} s, {w.bytes / 1e6:.1f} MB" if w else "none"
+    where = f" · listening on http://{address}" if address else ""
+    if engine.model.weights in WEIGHTS or engine.decode_step == "fused":
+        # the fused step has no per-shape setup (nothing compiled or recorded): 0 s at boot
+        where = f" · weights {describe_weights(engine.model)} · decode step {engine.decode_step}" + where
+    tp = getattr(engine.model, "tp", None)
+    if tp is not None:
+        where = f" · tensor parallel {tp.world} ranks ({tp.backend})" + where
+    pool_mb = p.num_blocks * p.bytes_per_block / 1e6
+    return (
+        f"nanoserve: {engine.model_name} · {p.dtype} on {engine.model.device.type} · KV pool "
+        f"{p.num_blocks} blocks x {p.block_size} = {p.num_slots:,} tokens, {pool_mb:.1f} MB"
+        f" · warm list {warm}{where}"
+    )

@@ -1,0 +1,196 @@
+"""The Qwen2 family: a Llama with biases on Q, K and V, from an HF directory and from a GGUF.
+
+A tiny random-weight Qwen2 is held to transformers' Qwen2ForCausalLM (logits, greedy tokens, the
+engine's batched path, tensor-parallel shards); the real Qwen2.5-Coder-0.5B-Instruct GGUF
+(Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0 blocks, dequantized by `gguf` on import) is held to
+transformers' own GGUF loader on the same file: logits, tokens, the tokenizer and the template.
+"""
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine import Engine
+from nanoserve.errors import NanoserveError
+from nanoserve.generate import greedy_tokens
+from nanoserve.model import load_model
+from nanoserve.sampling import SamplingParams
+from tests.test_model import TINY, prefill_logits
+
+TINY_QWEN2 = {k: v for k, v in TINY.items() if k != "head_dim"} | dict(use_sliding_window=False)
+
+
+def make_tiny_qwen2_dir(path, seed=0, **overrides):
+    """A random-weight Qwen2 checkpoint; biases randomized too (they start at zero)."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(**{**TINY_QWEN2, **overrides})
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    save_file(sd, path / "model.safetensors")
+    (path / "tokenizer.json").write_text("{}")  # check_model_dir asks for one; these tests pass ids
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    return make_tiny_qwen2_dir(path, seed=5), path
+
+
+def test_tiny_qwen2_logits_and_tokens_match_transformers(tiny_qwen2):
+    hf, path = tiny_qwen2
+    ours = load_model(path)
+    assert ours.cfg.qkv_bias and not ours.cfg.o_bias
+    ids = list(range(3, 60))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (prefill_logits(ours, ids) - ref).abs().max().item() < 1e-4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids[:8]]), max_new_tokens=24, do_sample=False)[0, 8:].tolist()
+    assert greedy_tokens(ours, ids[:8], 24) == want
+
+
+def test_the_biases_are_not_ignored(tiny_qwen2):
+    """The same weights with the biases zeroed give other logits: the test above would catch a
+    loader that dropped them."""
+    hf, path = tiny_qwen2
+    ours = load_model(path)
+    ids = list(range(3, 20))
+    before = prefill_logits(ours, ids)
+    for b in ours.blocks:
+        b.qkv_bias.zero_()
+    assert (prefill_logits(ours, ids) - before).abs().max().item() > 1e-2
+
+
+def test_tiny_qwen2_through_the_engine_batched(tiny_qwen2):
+    """Several prompts at once, chunked prefill and decode buckets: each row's tokens are the
+    model's own greedy tokens alone."""
+    _, path = tiny_qwen2
+    model = load_model(path)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    engine = Engine(model, None, EngineConfig(max_batch=4, max_num_batched_tokens=32))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [greedy_tokens(model, p, 12) for p in prompts]
+
+
+def test_a_llama_with_attention_bias_matches_transformers(tmp_path):
+    """LlamaConfig's attention_bias puts a bias on all four projections, O's included."""
+    from tests.test_model import make_tiny_dir, ours_from_dir
+
+    hf = make_tiny_dir(tmp_path, seed=6, attention_bias=True)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "model.safetensors")
+    ours = ours_from_dir(tmp_path)
+    assert ours.cfg.qkv_bias and ours.cfg.o_bias
+    ids = list(range(5, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (prefill_logits(ours, ids) - ref).abs().max().item() < 1e-4
+    # under tensor parallelism O's outputs are summed over ranks: its bias is added by rank 0 only
+    from nanoserve import tp
+
+    o_biases = [tp.shard(ours, r, 2)[0].blocks[2].o_bias for r in range(2)]
+    assert torch.equal(o_biases[0], ours.blocks[2].o_bias) and not o_biases[1].any()
+
+
+def test_qwen2_shards_split_the_biases_with_their_rows(tmp_path):
+    """Tensor parallelism's split of a biased model (3 K/V heads, so 3 ranks): each rank's Q, K
+    and V biases are the rows of its heads."""
+    from nanoserve import tp
+
+    make_tiny_qwen2_dir(tmp_path, seed=7, num_attention_heads=6, num_key_value_heads=3, intermediate_size=150)
+    full = load_model(tmp_path)
+    hd, nh, nkv = full.cfg.head_dim, 6, 3
+    whole = full.blocks[1].qkv_bias
+    for r in range(3):
+        mine = tp.shard(full, r, 3)[0].blocks[1].qkv_bias
+        q = whole[r * 2 * hd : (r + 1) * 2 * hd]
+        k = whole[nh * hd + r * hd : nh * hd + (r + 1) * hd]
+        v = whole[(nh + nkv) * hd + r * hd : (nh + nkv) * hd + (r + 1) * hd]
+        assert torch.equal(mine, torch.cat([q, k, v])), r
+
+
+def test_an_unknown_family_is_refused_with_a_sentence(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}')
+    with pytest.raises(NanoserveError, match="runs Llama-family and Qwen2 models only"):
+        load_model(tmp_path)
+
+
+# --- the real file: Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, against transformers' GGUF loader ---
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """(our converted directory, the GGUF, transformers' model and tokenizer from the GGUF)."""
+    from nanoserve.fetch import fetch_named_gguf, fetch_named_model
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    model_dir, gguf = fetch_named_model(name), fetch_named_gguf(name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return model_dir, gguf, hf, hf_tok
+
+
+CHAT = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."}]
+
+
+def test_qwen_tokenizer_and_template_are_transformers(qwen):
+    from nanoserve.tokenizer import Tokenizer
+
+    model_dir, _, _, hf_tok = qwen
+    tok = Tokenizer.from_dir(model_dir)
+    for text in [
+        "def f(x):\n    return x ** 2  # 12345 squared",
+        "Ünïcödé — naïve café, 東京, emoji 🙂\r\n\ttabs",
+        "  leading spaces and 3.14159 and 1,000,000",
+    ]:
+        assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
+    want = hf_tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(CHAT) == want
+    assert tok.encode_chat(CHAT) == hf_tok.encode(want, add_special_tokens=False)
+
+
+def test_qwen_logits_and_greedy_tokens_match_transformers_gguf_loader(qwen):
+    """Both sides dequantize the same blocks with `gguf` to the same fp32 weights, so what is
+    left is the order of fp32 sums over 24 blocks: measured at most ~3e-4 on logits whose spread
+    is ~30 (the bound below is 1e-3, 3x the most seen). The greedy continuation is the same."""
+    from nanoserve.tokenizer import Tokenizer
+
+    model_dir, _, hf, _ = qwen
+    ours = load_model(model_dir)
+    ids = Tokenizer.from_dir(model_dir).encode_chat(CHAT)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours_logits = prefill_logits(ours, ids)
+    assert (ours_logits - ref).abs().max().item() < 1e-3
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :].tolist()
+    assert greedy_tokens(ours, ids, 24) == want
+
+
+def test_a_model_is_named_by_its_fetch_name(qwen):
+    from nanoserve.fetch import fetch_named_model
+    from nanoserve.weights import resolve_model_dir
+
+    model_dir = qwen[0]
+    assert resolve_model_dir("qwen2.5-coder-0.5b-instruct") == model_dir
+    assert (model_dir / "LICENSE.txt").read_text().startswith("Qwen2.5-Coder-0.5B-Instruct is released")
+    with pytest.raises(NanoserveError, match="no model is named 'qwen-9000'; the names are"):
+        fetch_named_model("qwen-9000")
