@@ -34,11 +34,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
     p.add_argument(
         "--weights",
-        choices=["q4_1", "q8_0"],
+        choices=["q4_1", "q8_0", "gguf"],
         default=None,
-        help="serve quantized matrices, blocks of 32 as a GGUF holds them: the default model's own "
-        "Q4_1 file as it lies, --gguf's, or --model's fp32 weights quantized at load (default: "
-        "--dtype's unquantized weights)",
+        help="serve quantized matrices as a GGUF holds them: the default model's own Q4_1 file as "
+        "it lies, --gguf's, or --model's fp32 weights quantized at load; gguf: the file's own mix of "
+        "types (Q4_K_M's Q5_0, Q4_K, Q6_K... read as torch ops for now) (default: --dtype's "
+        "unquantized weights)",
     )
     p.add_argument("--gguf", default=None, metavar="FILE", help="with --weights: the GGUF to read them from")
     p.add_argument(
@@ -163,6 +164,14 @@ def build_parser() -> Parser:
         "--max-body-bytes",
         default="4MiB",
         help="largest request body; a larger one gets 413 before it is read (default: 4MiB)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names a request's model field may give; answers carry the first (default: the "
+        "model directory's name)",
     )
     p.add_argument(
         "--max-score-entries",
@@ -441,6 +450,7 @@ def cmd_serve(args) -> None:
             max_waiting=args.max_waiting,
             max_body_bytes=max_body,
             **({"max_score_entries": args.max_score_entries} if args.max_score_entries else {}),
+            served_model_names=args.served_model_name,
             drain_timeout=args.drain_timeout,
             log_level=args.log_level,
         )

@@ -84,15 +84,19 @@ class EngineConfig:
             raise ValueError(f"attention must be auto, native or gather, got {self.attention!r}")
         if self.linear not in ("auto", "packed", "plain"):
             raise ValueError(f"linear must be auto, packed or plain, got {self.linear!r}")
-        if self.weights not in (None, "q4_1", "q8_0"):
-            raise ValueError(f"weights must be q4_1 or q8_0 (or unset: the dtype's), got {self.weights!r}")
+        if self.weights not in (None, "q4_1", "q8_0", "gguf"):
+            raise ValueError(
+                f"weights must be q4_1, q8_0 or gguf (or unset: the dtype's), got {self.weights!r}"
+            )
         if self.weights and self.dtype != "float32":
             raise ValueError(
                 f"quantized weights compute in float32; --weights {self.weights} with dtype {self.dtype} "
                 "is not a combination nanoserve runs"
             )
         if self.gguf and not self.weights:
-            raise ValueError("a gguf file is read for quantized weights; give weights q4_1 or q8_0 with it")
+            raise ValueError(
+                "a gguf file is read for quantized weights; give weights q4_1, q8_0 or gguf with it"
+            )
         if self.quant_activations not in ("int8", "fp32"):
             raise ValueError(f"quant_activations must be int8 or fp32, got {self.quant_activations!r}")
         if self.decode_step not in ("auto", "fused", "ops"):

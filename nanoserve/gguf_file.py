@@ -98,6 +98,8 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -139,7 +141,7 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
     raise NanoserveError("the GGUF's rope_freqs are not Llama 3 RoPE scaling; nanoserve cannot run it.")
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def gguf_architecture(reader) -> str:
@@ -148,7 +150,7 @@ def gguf_architecture(reader) -> str:
     if arch not in ARCHITECTURES:
         raise NanoserveError(
             f"the GGUF's architecture is {arch!r}; nanoserve imports "
-            f"{' and '.join(map(repr, ARCHITECTURES))} GGUFs."
+            f"{', '.join(map(repr, ARCHITECTURES))} GGUFs."
         )
     return arch
 
@@ -156,7 +158,8 @@ def gguf_architecture(reader) -> str:
 def rotary_rows_permuted(reader) -> bool:
     """Whether llama.cpp's converter reordered the file's Q/K rows (`unpermute_rotary_rows`): it
     does for 'llama', whose Hugging Face checkpoints rotate halves while llama.cpp's llama graph
-    rotates pairs; a 'qwen2' file is run with the halves' rotation (NEOX) and kept as it was."""
+    rotates pairs; a 'qwen2' or 'qwen3' file is run with the halves' rotation (NEOX) and kept
+    as it was."""
     return gguf_architecture(reader) == "llama"
 
 

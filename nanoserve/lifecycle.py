@@ -90,6 +90,7 @@ def serve(
     max_waiting: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_score_entries: int = MAX_SCORE_ENTRIES,
+    served_model_names: list[str] | None = None,
     drain_timeout: float = 30.0,
     log_level: str = "warning",
 ) -> None:
@@ -125,6 +126,7 @@ def serve(
         max_waiting=max_waiting,
         max_body_bytes=max_body_bytes,
         max_score_entries=max_score_entries,
+        served_model_names=served_model_names,
         on_failure=on_failure,
     )
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -61,6 +61,8 @@ class LlamaConfig:
     # biases: Qwen2 adds one to Q, K and V (not O); a Llama with attention_bias to all four
     qkv_bias: bool = False
     o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key before the rotation
+    family: str = "llama"  # config.json's model_type: llama, mistral, qwen2 or qwen3
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
@@ -69,7 +71,9 @@ class LlamaConfig:
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         heads = d["num_attention_heads"]
-        qwen2 = d.get("model_type") == "qwen2"  # transformers' Qwen2Attention: q, k, v biased, o not
+        kind = d.get("model_type")
+        qwen2 = kind == "qwen2"  # transformers' Qwen2Attention: q, k, v biased, o not
+        # Qwen3Attention's biases follow attention_bias (all four, false in Qwen3's releases), as Llama's
         llama_bias = bool(d.get("attention_bias", False)) and not qwen2
         try:
             return cls(
@@ -87,6 +91,8 @@ class LlamaConfig:
                 rope_scaling=scaling,
                 qkv_bias=qwen2 or llama_bias,
                 o_bias=llama_bias,
+                qk_norm=kind == "qwen3",
+                family=kind or "llama",
             )
         except KeyError as e:
             raise NanoserveError(
@@ -270,6 +276,8 @@ class Block(nn.Module):
             else None
         )
         self.o_bias = nn.Parameter(torch.zeros(h, **kw), requires_grad=False) if cfg.o_bias else None
+        self.q_norm = nn.Parameter(torch.ones(hd, **kw), requires_grad=False) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(hd, **kw), requires_grad=False) if cfg.qk_norm else None
         self.tp = None  # under tensor parallelism (tp.py): the group whose all-reduces sum o and down
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -279,6 +287,12 @@ class Block(nn.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         qkv = qkv.view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:  # each head's query and key normed over head_dim (Qwen3)
+            q = rms_norm(qkv[:, : cfg.num_heads], self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(
+                qkv[:, cfg.num_heads : cfg.num_heads + cfg.num_kv_heads], self.k_norm, cfg.rms_norm_eps
+            )
+            qkv = torch.cat([q, k, qkv[:, cfg.num_heads + cfg.num_kv_heads :]], dim=1)
         qk = apply_rope(
             qkv[:, : cfg.num_heads + cfg.num_kv_heads], cos, sin
         )  # (N, nh + nkv, hd): one rotation
@@ -364,8 +378,17 @@ class Llama(nn.Module):
             return "the linears are packed for oneDNN, which the fused step cannot read (linear='plain')"
         if native() is None:
             return f"the native kernels are {native_status()}"
+        mats = [self.embed, self.head] + [
+            getattr(b, n) for b in self.blocks for n in ("qkv", "o", "gate_up", "down")
+        ]
+        other = sorted({m.kind for m in mats if isinstance(m, QuantTensor) and not m.native})
+        if other:
+            kinds = ", ".join(other)
+            return f"the fused decode step reads Q4_1 and Q8_0 blocks; this model has {kinds} matrices"
         if self.cfg.qkv_bias or self.cfg.o_bias:
             return "the fused decode step has no attention biases (Qwen2's); this model's step runs as ops"
+        if self.cfg.qk_norm:
+            return "the fused decode step has no query/key norms (Qwen3's); this model's step runs as ops"
         return None
 
     def fused_decode(self, plan, cache) -> torch.Tensor:
@@ -462,6 +485,9 @@ class Llama(nn.Module):
             put(b.o, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
             if b.o_bias is not None:
                 put(b.o_bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+            if b.q_norm is not None:
+                put(b.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(b.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(b.gate_up, gate_up, p + "mlp.gate_up")
             put(b.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
@@ -479,7 +505,7 @@ def model_weight_bytes(model: Llama) -> int:
     ws = [model.embed, model.head, model.norm]
     for b in model.blocks:
         ws += [b.input_norm, b.post_norm] + [getattr(b, n) for n in ("qkv", "o", "gate_up", "down")]
-        ws += [w for w in (b.qkv_bias, b.o_bias) if w is not None]
+        ws += [w for w in (b.qkv_bias, b.o_bias, b.q_norm, b.k_norm) if w is not None]
     for w in ws:
         if id(w) not in seen:
             seen.add(id(w))

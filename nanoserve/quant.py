@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from nanoserve import kquants
 from nanoserve.errors import NanoserveError
 
 BLOCK = 32
@@ -55,9 +56,16 @@ SPLIT_KINDS = {"q4_1": 3, "q8_0": 4}  # the same kinds in the split layout
 TILES_KINDS = {"q4_1": 5, "q8_0": 6}  # and in tiles
 LAYOUTS = ("gguf", "split", "tiles")
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK}
+# The K-quant files' other types (kquants.py): read with torch ops for now, in the file's layout,
+# fp32 activations only; the native kernels know Q4_1 and Q8_0.
+for _kind, (_values, _bytes) in kquants.BLOCKS.items():
+    BLOCK_BYTES[_kind], BLOCK_VALUES[_kind] = _bytes, _values
 TILE = 16  # rows a tile
 TILE_BLOCK_BYTES = {"q4_1": 20, "q8_0": 36}  # a row's block in tiles: Q8_0 adds its codes' int16 sum
-WEIGHTS = ("q4_1", "q8_0")  # the quantized choices of EngineConfig.weights / --weights
+# the quantized choices of EngineConfig.weights / --weights; "gguf" is a GGUF's matrices in
+# whatever types it holds them (a Q4_K_M file's mix), each as the file has it
+WEIGHTS = ("q4_1", "q8_0", "gguf")
 # What a quantized linear multiplies its blocks by. "fp32": x as it is, each block widened to fp32
 # in registers (the default: the dequantized model's numbers). "int8": each row of x quantized to
 # int8 per block of 32 (a scale per block) and the products integer multiply-adds, as llama.cpp
@@ -87,11 +95,19 @@ class QuantTensor:
         if kind not in BLOCK_BYTES:
             raise ValueError(f"kind is one of {', '.join(BLOCK_BYTES)}, not {kind!r}")
         rows, cols = shape
-        if cols % BLOCK:
-            raise NanoserveError(f"a {kind} matrix has columns in blocks of 32; this one has {cols}")
+        values = BLOCK_VALUES[kind]
+        if cols % values:
+            raise NanoserveError(f"a {kind} matrix has columns in blocks of {values}; this one has {cols}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, not {layout!r}")
-        want = (rows, cols // BLOCK * BLOCK_BYTES[kind])
+        if layout != "gguf" and kind not in KINDS:
+            raise ValueError(f"{kind} matrices are kept in the file's layout; {layout} is for q4_1 and q8_0")
+        if activations == "int8" and kind not in KINDS:
+            raise NanoserveError(
+                f"int8 activations are for Q4_1 and Q8_0 matrices; this one is {kind.upper()} (serve "
+                "it with fp32 activations)"
+            )
+        want = (rows, cols // values * BLOCK_BYTES[kind])
         if layout == "tiles":  # one row of bytes a tile of 16 rows
             want = (-(-rows // TILE), cols // BLOCK * TILE * TILE_BLOCK_BYTES[kind])
         if blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
@@ -108,7 +124,7 @@ class QuantTensor:
 
     @classmethod
     def from_gguf(cls, tensor) -> QuantTensor:
-        """A gguf.ReaderTensor of type Q4_1 or Q8_0, its bytes copied once out of the file's map."""
+        """A gguf.ReaderTensor of a block type, its bytes copied once out of the file's map."""
         kind = tensor.tensor_type.name.lower()
         data = np.array(tensor.data, dtype=np.uint8)  # (rows, row_bytes); a copy: the map is read-only
         cols = int(tensor.shape[0])  # GGUF lists the fastest dimension first
@@ -127,9 +143,15 @@ class QuantTensor:
     def with_activations(self, activations: str) -> QuantTensor:
         return QuantTensor(self.blocks, self.kind, self.shape, activations, self.layout)
 
+    @property
+    def native(self) -> bool:
+        """Whether the native kernels read this kind (Q4_1, Q8_0); the others run as torch ops."""
+        return self.kind in KINDS
+
     def split(self) -> QuantTensor:
-        """The same matrix with each row's bytes in the split layout (the module doc)."""
-        if self.layout == "split":
+        """The same matrix with each row's bytes in the split layout (the module doc); a kind
+        the native kernels do not read stays in the file's layout."""
+        if self.layout == "split" or not self.native:
             return self
         blocks = split_rows(self.blocks, self.kind)
         return QuantTensor(blocks, self.kind, self.shape, self.activations, "split")
@@ -137,7 +159,7 @@ class QuantTensor:
     def tiles(self) -> QuantTensor:
         """The same matrix in tiles of 16 rows (`tile_rows`): the int8 path's layout where the CPU
         has AVX512-VNNI (`native().has_tiles()`)."""
-        if self.layout == "tiles":
+        if self.layout == "tiles" or not self.native:
             return self
         blocks = tile_rows(self.gguf_blocks(), self.kind)
         return QuantTensor(blocks, self.kind, self.shape, self.activations, "tiles")
@@ -168,10 +190,14 @@ class QuantTensor:
 
     @property
     def code(self) -> int:
+        if not self.native:
+            raise NanoserveError(f"the native kernels do not read {self.kind.upper()} blocks")
         return {"gguf": KINDS, "split": SPLIT_KINDS, "tiles": TILES_KINDS}[self.layout][self.kind]
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix the blocks stand for."""
+        if not self.native:
+            return kquants.dequantize(self.blocks, self.kind, self.shape)
         ext = _native()
         if ext is not None:
             return ext.dequantize(self.blocks, self.code, *self.shape)
@@ -180,6 +206,8 @@ class QuantTensor:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, in) @ W.T in fp32."""
         ext = _native()
+        if not self.native:  # every call widens the whole matrix: a reference, not a fast path
+            return F.linear(x.float(), self.dequantize())
         if ext is not None and x.device.type == "cpu":
             return ext.quant_linear(
                 x.float().contiguous(), self.blocks, self.code, self.shape[0], self.activations == "int8"
@@ -189,6 +217,9 @@ class QuantTensor:
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (N,) widened to fp32, (N, in): what an embedding lookup needs."""
+        if not self.native:
+            ids = ids.reshape(-1)
+            return kquants.dequantize(self.blocks[ids], self.kind, (ids.numel(), self.shape[1]))
         ext = _native()
         if ext is not None:
             # the true row count: tiles store padding rows past it, which no id may reach
@@ -200,6 +231,47 @@ class QuantTensor:
     def __repr__(self) -> str:
         layout = f", {self.layout}" if self.layout != "gguf" else ""
         return f"QuantTensor({self.kind}{layout}, shape={self.shape}, {self.nbytes / 1e6:.2f} MB)"
+
+
+class RowStack(QuantTensor):
+    """Matrices of different block types stacked by rows, as one: a Q4_K_M file keeps a layer's
+    V in Q8_0 and its Q and K in Q5_0, and the model multiplies Q, K and V as one matrix. Its
+    product is each part's product side by side; it runs as torch ops (no native kernel reads a
+    stack), and `kind` is "mixed"."""
+
+    def __init__(self, parts: list[QuantTensor]):
+        cols = {p.shape[1] for p in parts}
+        if len(cols) != 1:
+            raise NanoserveError(f"stacked matrices share their columns; these have {sorted(cols)}")
+        self.parts = list(parts)
+        self.kind, self.layout, self.activations = "mixed", "gguf", parts[0].activations
+        self.shape = (sum(p.shape[0] for p in parts), cols.pop())
+        self.blocks = parts[0].blocks  # its device; the bytes are the parts'
+
+    native = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [p.kind for p in self.parts]
+
+    def split(self) -> RowStack:
+        return self
+
+    def tiles(self) -> RowStack:
+        return self
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.linear(x) for p in self.parts], dim=-1)
+
+    def __repr__(self) -> str:
+        return f"RowStack({' + '.join(map(repr, self.parts))})"
 
 
 def split_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
@@ -310,8 +382,8 @@ def quantize_model(model, weights: str, activations: str = "fp32") -> None:
     """Quantize an fp32 model's matrices in place: "q4_1" puts the block matrices in Q4_1 and the
     embedding (and head) in Q8_0, the mix llama.cpp's Q4_1 files hold; "q8_0" puts all in Q8_0.
     Norms stay fp32."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights are one of {', '.join(WEIGHTS)}, not {weights!r}")
+    if weights not in ("q4_1", "q8_0"):
+        raise ValueError(f"a model is quantized to q4_1 or q8_0, not {weights!r} (gguf is a file's own mix)")
     if getattr(model.head, "is_mkldnn", False):
         raise ValueError("the model's linears are packed for oneDNN; quantize a freshly loaded model")
     for b in model.blocks:
@@ -375,7 +447,7 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
             continue  # the config already holds the scaling these frequencies come from
         kind = t.tensor_type.name.lower()
         name = hf_name(t.name).removeprefix("model.")
-        if kind in BLOCK_BYTES:
+        if kind in BLOCK_BYTES and (weights == "gguf" or kind in KINDS):
             w = QuantTensor.from_gguf(t).with_activations(activations)
         elif kind in ("f32", "f16", "bf16"):
             from gguf.quants import dequantize
@@ -383,9 +455,9 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         else:
             raise NanoserveError(
-                f"{Path(path).name} holds {t.name} as {t.tensor_type.name}; nanoserve serves Q4_1, Q8_0 "
-                "and float tensors as a GGUF holds them (convert this file with import-gguf and serve "
-                "the fp32 model, or quantize that with --weights)"
+                f"{Path(path).name} holds {t.name} as {t.tensor_type.name}; --weights {weights} serves "
+                "Q4_1, Q8_0 and float tensors as a GGUF holds them (--weights gguf also reads Q4_0, "
+                "Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, as torch ops; or convert the file with import-gguf)"
             )
         if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
@@ -404,9 +476,12 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
         if kinds == {"f32"}:
             return torch.cat(parts).contiguous()
         if len(kinds) > 1:
-            raise NanoserveError(
-                f"{Path(path).name} stores the parts of {what} in different types {sorted(kinds)}"
-            )
+            if weights != "gguf" or "f32" in kinds:
+                raise NanoserveError(
+                    f"{Path(path).name} stores the parts of {what} in different types {sorted(kinds)} "
+                    "(--weights gguf serves such a file)"
+                )
+            return RowStack(parts)
         k = parts[0]
         blocks = torch.cat([p.blocks for p in parts])
         return QuantTensor(blocks, k.kind, (blocks.shape[0], k.shape[1]), activations)
@@ -433,7 +508,9 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
         }
         for name, w in mats.items():
             _set(b, name, check(w, getattr(b, name).shape, p + name))
-            matrix_kinds.add(w.kind if isinstance(w, QuantTensor) else "f32")
+            matrix_kinds.update(
+                w.kinds if isinstance(w, RowStack) else [w.kind if isinstance(w, QuantTensor) else "f32"]
+            )
         if b.qkv_bias is not None:
             b.qkv_bias.copy_(
                 check(
@@ -444,6 +521,9 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
             )
         if b.o_bias is not None:
             b.o_bias.copy_(check(take(p + "self_attn.o_proj.bias"), b.o_bias.shape, p + "o bias"))
+        if b.q_norm is not None:
+            b.q_norm.copy_(check(take(p + "self_attn.q_norm.weight"), b.q_norm.shape, p + "q norm"))
+            b.k_norm.copy_(check(take(p + "self_attn.k_norm.weight"), b.k_norm.shape, p + "k norm"))
     model.norm.copy_(take("norm.weight"))
     embed = check(take("embed_tokens.weight"), model.embed.shape, "embed_tokens")
     head = found.pop("lm_head.weight", None)
@@ -457,7 +537,8 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
         raise NanoserveError(
             f"{Path(path).name} holds tensors this Llama config does not use: {sorted(found)[:5]}"
         )
-    if matrix_kinds != {weights}:
+    model.weight_kinds = sorted(matrix_kinds)  # what /health and the boot line name
+    if weights != "gguf" and matrix_kinds != {weights}:
         raise NanoserveError(
             f"--weights {weights} asks for {weights} block matrices; {Path(path).name} holds them as "
             f"{', '.join(sorted(matrix_kinds))} (ask for that, or pass --model with the converted "
@@ -466,6 +547,20 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
     model.weights, model._fused = weights, None
     split_model(model)
     return model.eval()
+
+
+def weight_types(model) -> list[str]:
+    """The types the model's matrices hold, e.g. ['float32'] or ['q4_k', 'q5_0', 'q6_k', 'q8_0']."""
+    mats = [model.embed, model.head] + [getattr(b, n) for b in model.blocks for n in MATRICES]
+    kinds = set()
+    for m in mats:
+        if isinstance(m, RowStack):
+            kinds.update(m.kinds)
+        elif isinstance(m, QuantTensor):
+            kinds.add(m.kind)
+        else:
+            kinds.add(str(m.dtype).removeprefix("torch."))
+    return sorted(kinds)
 
 
 def describe_weights(model) -> str:
@@ -479,6 +574,8 @@ def describe_weights(model) -> str:
         first = model.blocks[0].qkv if model.blocks else model.head
         acts = first.activations
         tiles = ", tiles" if first.layout == "tiles" else ""  # the AVX512-VNNI kernel's layout
+        if w == "gguf":  # the file's own mix
+            w = "gguf " + "+".join(getattr(model, "weight_kinds", []))
         return f"{w} ({acts} activations{tiles}), {mb:.1f} MB"
     return f"{str(model.dtype).removeprefix('torch.')}, {mb:.1f} MB"
 
@@ -496,7 +593,15 @@ def load_quantized(config, model_dir):
             f"--weights {config.weights} runs on the CPU kernels (csrc/quant.cpp); on {device} "
             "serve float32 or bfloat16 weights"
         )
-    gguf = config.gguf or (fetch_default_gguf() if config.model is None else None)
+    from nanoserve.fetch import DEFAULT_NAME, NAMED, fetch_named_gguf
+
+    gguf = config.gguf
+    if gguf is None and (config.model is None or config.model == DEFAULT_NAME):
+        gguf = fetch_default_gguf()
+    elif gguf is None and config.model in NAMED:  # a model fetched by name: its own file
+        gguf = fetch_named_gguf(config.model)
+    if gguf is None and config.weights == "gguf":
+        raise NanoserveError("--weights gguf serves a GGUF file's own matrices; name it with --gguf FILE")
     if gguf is not None:
         if not Path(gguf).is_file():
             raise NanoserveError(f"the GGUF file {gguf} does not exist")

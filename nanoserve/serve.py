@@ -89,16 +89,26 @@ def create_app(
     max_waiting: int = 1024,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_score_entries: int = MAX_SCORE_ENTRIES,
+    served_model_names: list[str] | None = None,
     on_failure: Callable[[str], None] | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine` is a built Engine or a builder `f(on_phase) -> Engine` run in a
     background thread at startup (`/health` is 503 until it returns; if it raises, /health says
     "failed" with the reason and `on_failure(reason)` is called). `max_score_entries`: the most
-    log-probabilities (chosen and alternatives) one request may ask for (api.score_entries)."""
+    log-probabilities (chosen and alternatives) one request may ask for (api.score_entries).
+    `served_model_names`: the names a request's `model` may give (default: the model directory's
+    name); the first is the one answers carry and /v1/models lists first."""
+    if served_model_names is not None and (
+        not served_model_names or not all(isinstance(n, str) and n for n in served_model_names)
+    ):
+        raise ValueError("served model names are one or more non-empty strings")
     state = ServerState()
     metrics = Metrics(state)
 
     def ready(eng: Engine) -> None:
+        if served_model_names:
+            eng.model_name = served_model_names[0]
+        state.served_names = tuple(served_model_names or [eng.model_name])
         state.engine = eng
         state.loop = EngineLoop(eng, metrics, max_waiting, on_death=state.fail)
         state.loop.start()
@@ -204,14 +214,17 @@ def create_app(
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         eng = serving_engine()
-        card = {
-            "id": eng.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "nanoserve",
-            "max_model_len": eng.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "nanoserve",
+                "max_model_len": eng.max_model_len,
+            }
+            for name in state.served_names
+        ]
+        return {"object": "list", "data": cards}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(req: CompletionRequest, request: Request):
@@ -251,10 +264,11 @@ def create_app(
         )
 
     def check_model(eng: Engine, name: str | None) -> None:
-        if name is not None and name != eng.model_name:
+        if name is not None and name not in state.served_names:
+            names = "', '".join(state.served_names)
             raise APIError(
                 404,
-                f"the model '{name}' does not exist here; this server serves '{eng.model_name}'",
+                f"the model '{name}' does not exist here; this server serves '{names}'",
                 param="model",
                 code="model_not_found",
             )

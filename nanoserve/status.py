@@ -18,7 +18,7 @@ import time
 
 from nanoserve.engine import Engine
 from nanoserve.loop import EngineLoop
-from nanoserve.quant import WEIGHTS, describe_weights
+from nanoserve.quant import WEIGHTS, describe_weights, weight_types
 
 
 class ServerState:
@@ -28,6 +28,7 @@ class ServerState:
         self.phase = "loading"  # loading | warming | ready | draining | failed
         self.error: str | None = None
         self.created = int(time.time())
+        self.served_names: tuple[str, ...] = ()  # what a request's `model` may say; set when ready
 
     def fail(self, reason: str) -> None:
         self.phase, self.error = "failed", reason
@@ -90,6 +91,9 @@ def health(state: ServerState) -> tuple[dict, int]:
     body = {
         "status": "ok",
         "model": eng.model_name,
+        "served_model_names": list(state.served_names),
+        "family": eng.model.cfg.family,
+        "weight_types": weight_types(eng.model),
         "max_model_len": eng.max_model_len,
         "pool": pool_dict(eng),
         "warm": warm_dict(eng),
@@ -113,8 +117,10 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     if tp is not None:
         where = f" · tensor parallel {tp.world} ranks ({tp.backend})" + where
     pool_mb = p.num_blocks * p.bytes_per_block / 1e6
+    family = engine.model.cfg.family
+    name = engine.model_name if family == "llama" else f"{engine.model_name} ({family})"
     return (
-        f"nanoserve: {engine.model_name} · {p.dtype} on {engine.model.device.type} · KV pool "
+        f"nanoserve: {name} · {p.dtype} on {engine.model.device.type} · KV pool "
         f"{p.num_blocks} blocks x {p.block_size} = {p.num_slots:,} tokens, {pool_mb:.1f} MB"
         f" · warm list {warm}{where}"
     )

@@ -477,6 +477,9 @@ def shard(full, rank: int, world: int):
             if mine.qkv_bias is not None:  # split with its rows
                 mine.qkv_bias.copy_(torch.cat([theirs.qkv_bias[q], theirs.qkv_bias[k], theirs.qkv_bias[v]]))
             mine.o.copy_(theirs.o[:, q])
+            if mine.q_norm is not None:  # over head_dim, the same for every head
+                mine.q_norm.copy_(theirs.q_norm)
+                mine.k_norm.copy_(theirs.k_norm)
             if mine.o_bias is not None:  # added once to the sum: rank 0 holds it, the others zeros
                 mine.o_bias.copy_(theirs.o_bias if rank == 0 else torch.zeros_like(theirs.o_bias))
             mine.gate_up.copy_(torch.cat([theirs.gate_up[cols], theirs.gate_up[inter + rank * i_l :][:i_l]]))

@@ -41,8 +41,9 @@ from nanoserve.gguf_file import (  # noqa: F401 -- re-exported
 
 # --- loading a Hugging Face-layout directory ---
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2")  # Qwen2: a Llama with biases on Q, K and V
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Qwen2: a Llama with biases on Q, K and V; Qwen3: with an RMSNorm on each query and key head
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -81,7 +82,7 @@ def check_model_dir(path: str | Path) -> Path:
     if kind not in LLAMA_TYPES or not all(a in ARCHITECTURES for a in archs):
         raise NanoserveError(
             f"{path} holds a {kind or 'untyped'} model ({', '.join(archs) or 'no architectures'}); "
-            "nanoserve runs Llama-family and Qwen2 models only."
+            "nanoserve runs Llama-family, Qwen2 and Qwen3 models only."
         )
     window, context = config.get("sliding_window"), config.get("max_position_embeddings")
     if window is not None and config.get("use_sliding_window", True) and not (context and window >= context):

@@ -265,15 +265,38 @@ def test_the_gguf_loader_refuses_what_it_cannot_serve(tiny_q, tmp_path):
         load_gguf_model(path, cfg, "q8_0")
     sd = hf_tiny_weights(vocab=260, hidden=64, ffn=96, seed=5)
     other = write_quant_gguf(tmp_path / "q5.gguf", sd, "q5_0")
-    with pytest.raises(NanoserveError, match="as Q5_0; nanoserve serves Q4_1, Q8_0 and float"):
+    with pytest.raises(NanoserveError, match="as Q5_0; --weights q4_1 serves Q4_1, Q8_0 and float"):
         load_gguf_model(other, cfg, "q4_1")
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q5_0", "q5_1"])
+def test_weights_gguf_serves_other_block_types_as_the_file_holds_them(kind, tmp_path):
+    """--weights gguf: a tiny llama GGUF whose matrices are all `kind` (written with gguf's own
+    quantizer) loads as its blocks and gives its fp32 conversion's logits and tokens; int8
+    activations and the fused step are refused for these kinds with a sentence."""
+    from nanoserve.generate import greedy_tokens
+    from nanoserve.weights import import_gguf
+
+    sd = {k: v * 0.3 for k, v in hf_tiny_weights(vocab=260, hidden=64, ffn=96, seed=5).items()}
+    path = write_quant_gguf(tmp_path / f"tiny-{kind}.gguf", sd, kind)
+    ref = load_model(import_gguf(path, tmp_path / "ref"))
+    qm = load_gguf_model(path, ref.cfg, "gguf")
+    assert qm.blocks[0].qkv.kind == kind and qm.weight_kinds == [kind]
+    ids = [5, 17, 200, 33, 9, 101, 64]
+    assert (prefill_logits(qm, ids) - prefill_logits(ref, ids)).abs().max().item() < 1e-4
+    assert greedy_tokens(qm, ids, 8) == greedy_tokens(ref, ids, 8)
+    assert "reads Q4_1 and Q8_0 blocks" in qm.fused_status()
+    with pytest.raises(
+        NanoserveError, match=f"int8 activations are for Q4_1 and Q8_0 matrices; this one is {kind.upper()}"
+    ):
+        load_gguf_model(path, ref.cfg, "gguf", "int8")
 
 
 def test_engine_config_refuses_quantized_combinations_it_does_not_run():
     for kw, msg in [
-        (dict(weights="q4_0"), "weights must be q4_1 or q8_0"),
+        (dict(weights="q4_0"), "weights must be q4_1, q8_0 or gguf"),
         (dict(weights="q4_1", dtype="bfloat16"), "quantized weights compute in float32"),
-        (dict(gguf="x.gguf"), "give weights q4_1 or q8_0 with it"),
+        (dict(gguf="x.gguf"), "give weights q4_1, q8_0 or gguf with it"),
         (dict(quant_activations="int4"), "quant_activations must be int8 or fp32"),
         (dict(decode_step="graph"), "decode_step must be auto, fused or ops"),
     ]:

@@ -1,6 +1,7 @@
-"""The Qwen2 family: a Llama with biases on Q, K and V, from an HF directory and from a GGUF.
+"""The Qwen family: Qwen2 (a Llama with biases on Q, K and V) and Qwen3 (an RMSNorm on each
+query and key head, no biases), from an HF directory and from a GGUF.
 
-A tiny random-weight Qwen2 is held to transformers' Qwen2ForCausalLM (logits, greedy tokens, the
+A tiny random-weight Qwen2 and Qwen3 are held to transformers' (logits, greedy tokens, the
 engine's batched path, tensor-parallel shards); the real Qwen2.5-Coder-0.5B-Instruct GGUF
 (Q4_K_M: Q5_0, Q4_K, Q6_K, Q8_0 blocks, dequantized by `gguf` on import) is held to
 transformers' own GGUF loader on the same file: logits, tokens, the tokenizer and the template.
@@ -125,9 +126,46 @@ def test_qwen2_shards_split_the_biases_with_their_rows(tmp_path):
         assert torch.equal(mine, torch.cat([q, k, v])), r
 
 
+def make_tiny_qwen3_dir(path, seed=0):
+    """A random-weight Qwen3 checkpoint; its query/key norms randomized like the others."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(**TINY_QWEN2, head_dim=8)
+    hf = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, path / "model.safetensors")
+    (path / "tokenizer.json").write_text("{}")
+    return hf
+
+
+def test_tiny_qwen3_matches_transformers_and_its_norms_count(tmp_path):
+    hf = make_tiny_qwen3_dir(tmp_path, seed=8)
+    ours = load_model(tmp_path)
+    assert ours.cfg.qk_norm and not ours.cfg.qkv_bias
+    ids = list(range(3, 50))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    logits = prefill_logits(ours, ids)
+    assert (logits - ref).abs().max().item() < 1e-4
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids[:6]]), max_new_tokens=20, do_sample=False)[0, 6:].tolist()
+    assert greedy_tokens(ours, ids[:6], 20) == want
+    prompts = [list(range(3, 3 + n)) for n in (4, 30)]
+    engine = Engine(ours, None, EngineConfig(max_batch=4, max_num_batched_tokens=16))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [greedy_tokens(ours, p, 10) for p in prompts]
+    for b in ours.blocks:  # the same model without its query/key norms is another model
+        b.q_norm.fill_(1.0)
+    assert (prefill_logits(ours, ids) - logits).abs().max().item() > 1e-2
+
+
 def test_an_unknown_family_is_refused_with_a_sentence(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}')
-    with pytest.raises(NanoserveError, match="runs Llama-family and Qwen2 models only"):
+    with pytest.raises(NanoserveError, match="runs Llama-family, Qwen2 and Qwen3 models only"):
         load_model(tmp_path)
 
 
@@ -169,8 +207,10 @@ def test_qwen_tokenizer_and_template_are_transformers(qwen):
 
 def test_qwen_logits_and_greedy_tokens_match_transformers_gguf_loader(qwen):
     """Both sides dequantize the same blocks with `gguf` to the same fp32 weights, so what is
-    left is the order of fp32 sums over 24 blocks: measured at most ~3e-4 on logits whose spread
-    is ~30 (the bound below is 1e-3, 3x the most seen). The greedy continuation is the same."""
+    left is the order of fp32 sums over 24 blocks: measured 6.4e-5 at most on two chat prompts
+    whose logits span -28 to 32 (std 5.8). The bound, 1e-3, is ~15x that and still 1/60,000 of
+    the span, far below any gap a wrong weight or a missing bias makes (> 1e-2 in the tiny
+    model's test above). The greedy continuation is the same."""
     from nanoserve.tokenizer import Tokenizer
 
     model_dir, _, hf, _ = qwen
@@ -194,3 +234,25 @@ def test_a_model_is_named_by_its_fetch_name(qwen):
     assert (model_dir / "LICENSE.txt").read_text().startswith("Qwen2.5-Coder-0.5B-Instruct is released")
     with pytest.raises(NanoserveError, match="no model is named 'qwen-9000'; the names are"):
         fetch_named_model("qwen-9000")
+
+
+def test_qwen_served_from_its_own_blocks_gives_the_conversions_tokens(qwen):
+    """--weights gguf: the file's Q5_0, Q8_0, Q4_K and Q6_K matrices kept as blocks (a layer
+    whose V is Q8_0 and its Q, K Q5_0 keeps them as one RowStack), widened by kquants.py each
+    call. The logits are the fp32 conversion's up to the order of sums, and so are the tokens."""
+    from nanoserve.model import LlamaConfig
+    from nanoserve.quant import RowStack, describe_weights, load_gguf_model
+    from nanoserve.tokenizer import Tokenizer
+
+    model_dir, gguf, _, _ = qwen
+    blocks = load_gguf_model(gguf, LlamaConfig.from_dir(model_dir), "gguf")
+    assert blocks.weight_kinds == ["q4_k", "q5_0", "q6_k", "q8_0"]
+    stacked = [b.qkv for b in blocks.blocks if isinstance(b.qkv, RowStack)]
+    assert len(stacked) == 12 and stacked[0].kinds == ["q5_0", "q5_0", "q8_0"]
+    assert describe_weights(blocks).startswith("gguf q4_k+q5_0+q6_k+q8_0 (fp32 activations), 4")
+    assert "this model has mixed, q4_k, q5_0, q6_k matrices" in blocks.fused_status()
+
+    fp32 = load_model(model_dir)
+    ids = Tokenizer.from_dir(model_dir).encode_chat(CHAT)
+    assert (prefill_logits(blocks, ids) - prefill_logits(fp32, ids)).abs().max().item() < 1e-3
+    assert greedy_tokens(blocks, ids, 4) == greedy_tokens(fp32, ids, 4)

@@ -634,6 +634,7 @@ def test_serve_help_documents_every_option():
         "--max-waiting",
         "--max-body-bytes",
         "--max-score-entries",
+        "--served-model-name",
         "--drain-timeout",
         "--graph-budget",
         "--watermark",
@@ -762,3 +763,31 @@ def test_the_generated_docs_are_off_behind_an_api_key(tiny_engine):
     with ServerThread(create_app(tiny_engine)) as url:
         assert httpx.get(url + "/openapi.json", timeout=30).json()["info"]["title"] == "nanoserve"
         assert httpx.get(url + "/docs", timeout=30).status_code == 200
+
+
+def test_served_model_names_are_the_names_a_request_may_give(tiny_engine):
+    """--served-model-name: /v1/models lists each, a request may name any, answers carry the
+    first, another name is a 404 that lists them; /health says the family and weight types."""
+    names = ["smol", "gpt-4o-mini"]
+    with ServerThread(create_app(tiny_engine, served_model_names=names)) as url:
+        cards = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == names
+        body = {"prompt": [5, 17, 42], "max_tokens": 2, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body | {"model": "gpt-4o-mini"})
+        assert r.status_code == 200 and r.json()["model"] == "smol"
+        r = httpx.post(f"{url}/v1/completions", json=body | {"model": "tiny"})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"].endswith("this server serves 'smol', 'gpt-4o-mini'")
+        health = httpx.get(f"{url}/health").json()
+        assert health["served_model_names"] == names and health["model"] == "smol"
+        assert health["family"] == "llama" and health["weight_types"] == ["float32"]
+    with pytest.raises(ValueError, match="one or more non-empty strings"):
+        create_app(tiny_engine, served_model_names=[""])
+
+
+def test_the_boot_line_names_a_family_other_than_llama(tiny_engine):
+    import dataclasses
+
+    assert "(llama)" not in boot_line(tiny_engine)
+    tiny_engine.model.cfg = dataclasses.replace(tiny_engine.model.cfg, family="qwen2")
+    assert boot_line(tiny_engine).startswith(f"nanoserve: {tiny_engine.model_name} (qwen2) · fp32 on cpu")

@@ -244,8 +244,8 @@ def test_bos_from_the_post_processor_when_the_config_is_silent(tmp_path, smollm_
 
 
 def test_unsupported_pre_tokenizer_is_named():
-    with pytest.raises(NanoserveError, match="'qwen2' is not supported.*smollm"):
-        bpe_from_vocab(["a"], [1], [], pre="qwen2")
+    with pytest.raises(NanoserveError, match="'deepseek-llm' is not supported.*smollm.*qwen2"):
+        bpe_from_vocab(["a"], [1], [], pre="deepseek-llm")
 
 
 # --- the incremental detokenizer ---

@@ -227,7 +227,9 @@ def test_import_refuses_a_non_empty_output_dir(tiny, tmp_path):
 
 
 def test_gguf_of_another_architecture_names_it(tmp_path, gpt2_gguf):
-    with pytest.raises(NanoserveError, match="architecture is 'gpt2'.*only 'llama'"):
+    with pytest.raises(
+        NanoserveError, match="architecture is 'gpt2'; nanoserve imports 'llama', 'qwen2', 'qwen3' GGUFs"
+    ):
         import_gguf(gpt2_gguf, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -264,7 +266,7 @@ def test_bad_model_dirs_say_what_is_wrong(tmp_path):
     with pytest.raises(NanoserveError, match="not valid JSON"):
         check_model_dir(d)
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(NanoserveError, match="gpt2 model.*only Llama-family"):
+    with pytest.raises(NanoserveError, match="gpt2 model.*runs Llama-family, Qwen2 and Qwen3 models only"):
         check_model_dir(d)
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(NanoserveError, match=r"no \*.safetensors"):
