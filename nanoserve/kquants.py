@@ -77,8 +77,9 @@ def dequantize_blocks(blocks: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "q4_0":
             q = _nibbles(blocks[:, at:]).to(torch.int8) - 8
             return d * q.float()
-        qh = blocks[:, at : at + 4].contiguous().view(torch.int32)  # (n, 1): bit i is value i's 5th bit
-        high = (qh >> torch.arange(32, dtype=torch.int32)) & 1  # (n, 32)
+        b = blocks[:, at : at + 4].long()  # a little-endian uint32: bit i is value i's 5th bit
+        qh = b[:, :1] | (b[:, 1:2] << 8) | (b[:, 2:3] << 16) | (b[:, 3:4] << 24)  # (n, 1)
+        high = (qh >> torch.arange(32)) & 1  # (n, 32)
         q = _nibbles(blocks[:, at + 4 :]).to(torch.int32) | (high << 4)
         if kind == "q5_0":
             return d * (q - 16).float()
