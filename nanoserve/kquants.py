@@ -1,4 +1,4 @@
-"""The GGUF block types beyond Q4_1 and Q8_0, decoded with torch ops (issue 30's reference).
+"""The GGUF block types beyond Q4_1 and Q8_0, decoded with torch ops (day 63).
 
 A Q4_K_M or Q5_K_M file mixes several types: Qwen2.5-Coder-0.5B-Instruct's holds Q5_0, Q8_0,
 Q4_K and Q6_K matrices. Each type stores a row as blocks; a block is its scales then its codes:

@@ -321,24 +321,28 @@ for p, a, b in zip(HELD, outs_f, outs_q):
 qm8 = load_gguf_model(GGUF, cfg, "q4_1", "int8")
 live = ggufbench.france_tokens({"fp32": ref, "q4_1/fp32": qm, "q4_1/int8": qm8}, tok, 12)
 france = {r["variant"]: r for r in read_csv("day-60-france.csv")}
-for name, toks in live.items():
-    assert france[name]["tokens"] == " ".join(map(str, toks)), name  # the CSV is what runs here
-server = [int(v) for v in france["llama-server"]["tokens"].split()]
-for name, toks in [*live.items(), ("llama-server (CSV)", server)]:
-    print(f"{name:<19} {tok.decode(toks)!r}")
+for name in ("fp32", "q4_1/fp32"):
+    assert france[name]["tokens"] == " ".join(map(str, live[name])), name  # the CSV is what runs here
+# int8's first token is a close call (below) that the CPU decides: the live run gives the
+# script's int8 answer or the fp32 model's, whichever side of it this machine's sums fall on
+assert live["q4_1/int8"] in ([int(v) for v in france["q4_1/int8"]["tokens"].split()], live["fp32"])
+for name, r in france.items():  # the script's run
+    print(f"{name:<19} {tok.decode([int(v) for v in r['tokens'].split()])!r}")
 print()
 print(f"{'':<10}" + "".join(f"{n:>14}" for n in france))
 for a in france:
     cells = [ggufbench.same(france[a]["tokens"].split(), france[b]["tokens"].split()) for b in france]
     print(f"{a:<10}" + "".join(f"{c:>14}" for c in cells))
-assert live["q4_1/fp32"] == live["fp32"] and live["q4_1/int8"] == server
+assert live["q4_1/fp32"] == live["fp32"] and france["q4_1/int8"]["tokens"] == france["llama-server"]["tokens"]
 
 # %% [markdown]
-# The fp32 activations reproduce the fp32 model token for token. The int8 activations part from
-# it at the very first token, and from there agree with llama-server token for token: the engine
+# The fp32 activations reproduce the fp32 model token for token, here and in the script's run.
+# In the script's run the int8 activations part from it at the very first token, and from there
+# agree with llama-server token for token: the engine
 # reproduces llama.cpp's answer because it does llama.cpp's arithmetic (activations quantized
 # per block of 32 to int8, integer sums), not because its weights are different. The weights
-# are the same blocks in all three quantized runs. The first answer token was a close call:
+# are the same blocks in all three quantized runs. The first answer token was a close call, so
+# close that the live int8 run above is only held to one of the two answers:
 
 # %%
 def top3(logits):
@@ -356,9 +360,11 @@ print("q4_1/fp32                     :", top3(logits_q[-1]))
 # sum in 8 lanes on an AVX2 CPU and 16 on an AVX-512 one) can move an entry to the next int8
 # step, and 30 blocks of such steps add up to probabilities that differ in the second digit
 # between the two kinds of machine (an AVX2 one gave "L" 0.146, "The" 0.123, "La" 0.092, and
-# logits within 0.954 of the fp32 model's). So this cell's output is not compared under test; its
-# asserts hold on every machine: the int8 path's first token is "L", within 0.05 of "The", and
-# its logits stay within 2 of the fp32 model's.
+# logits within 0.954 of the fp32 model's; the same machine emulated with an AVX2 build of the
+# kernels gave "The" 0.155 against "L" 0.144, and so the fp32 model's answer). So this cell's
+# output is not compared under test; its asserts hold on every machine: the int8 path's two most
+# likely first tokens are "L" and "The", in either order, within 0.05 of each other, and its
+# logits stay within 2 of the fp32 model's.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -367,7 +373,7 @@ spread = (lq8 - logits_f[-1]).abs().max().item()
 print("q4_1/int8                     :", top3(lq8))
 print(f"max |logits int8 - logits fp32| over the prompt's last token: {spread:.3f}")
 p8 = torch.softmax(lq8, -1).topk(2)
-assert [tok.decode([i]) for i in p8.indices.tolist()] == ["L", "The"] and p8.values[0] - p8.values[1] < 0.05
+assert {tok.decode([i]) for i in p8.indices.tolist()} == {"L", "The"} and p8.values[0] - p8.values[1] < 0.05
 assert spread < 2.0
 
 # %% [markdown]
