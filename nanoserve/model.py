@@ -340,6 +340,12 @@ class Llama(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    def matrices(self) -> list:
+        """The embedding, the head and every block's four matrices (a tied head listed twice)."""
+        return [self.embed, self.head] + [
+            getattr(b, n) for b in self.blocks for n in ("qkv", "o", "gate_up", "down")
+        ]
+
     @torch.inference_mode()
     def forward(
         self,
@@ -378,10 +384,7 @@ class Llama(nn.Module):
             return "the linears are packed for oneDNN, which the fused step cannot read (linear='plain')"
         if native() is None:
             return f"the native kernels are {native_status()}"
-        mats = [self.embed, self.head] + [
-            getattr(b, n) for b in self.blocks for n in ("qkv", "o", "gate_up", "down")
-        ]
-        other = sorted({m.kind for m in mats if isinstance(m, QuantTensor) and not m.native})
+        other = sorted({m.kind for m in self.matrices() if isinstance(m, QuantTensor) and not m.native})
         if other:
             kinds = ", ".join(other)
             return f"the fused decode step reads Q4_1 and Q8_0 blocks; this model has {kinds} matrices"

@@ -551,9 +551,8 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
 
 def weight_types(model) -> list[str]:
     """The types the model's matrices hold, e.g. ['float32'] or ['q4_k', 'q5_0', 'q6_k', 'q8_0']."""
-    mats = [model.embed, model.head] + [getattr(b, n) for b in model.blocks for n in MATRICES]
     kinds = set()
-    for m in mats:
+    for m in model.matrices():
         if isinstance(m, RowStack):
             kinds.update(m.kinds)
         elif isinstance(m, QuantTensor):

@@ -27,16 +27,19 @@ TINY = dict(
 )
 
 
-def make_tiny_dir(path, seed=0, **overrides):
-    """A random-weight Llama written the way a checkpoint is: config.json + model.safetensors."""
+def make_tiny_checkpoint(path, config_cls, model_cls, config: dict, seed=0, random_biases=False):
+    """A random-weight transformers model written the way a checkpoint is: config.json +
+    model.safetensors. Norm weights start at 1 and biases at 0; norms (and, with
+    `random_biases`, biases) are randomized so a swapped or skipped one cannot hide."""
     torch.manual_seed(seed)
-    hf_cfg = transformers.LlamaConfig(**{**TINY, **overrides})
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
-    # Norm weights start at 1; randomize them so a swapped or skipped norm cannot hide.
+    hf_cfg = config_cls(**config)
+    hf = model_cls(hf_cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif random_biases and name.endswith(".bias"):
+                p.normal_(0, 0.5)
     path.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(path)
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -44,6 +47,14 @@ def make_tiny_dir(path, seed=0, **overrides):
         sd.pop("lm_head.weight")
     save_file(sd, path / "model.safetensors")
     return hf
+
+
+def make_tiny_dir(path, seed=0, random_biases=False, **overrides):
+    """A random-weight Llama checkpoint (`make_tiny_checkpoint`)."""
+    config = {**TINY, **overrides}
+    return make_tiny_checkpoint(
+        path, transformers.LlamaConfig, transformers.LlamaForCausalLM, config, seed, random_biases
+    )
 
 
 def ours_from_dir(path, dtype=torch.float32):

@@ -10,7 +10,6 @@ transformers' own GGUF loader on the same file: logits, tokens, the tokenizer an
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
@@ -18,28 +17,17 @@ from nanoserve.errors import NanoserveError
 from nanoserve.generate import greedy_tokens
 from nanoserve.model import load_model
 from nanoserve.sampling import SamplingParams
-from tests.test_model import TINY, prefill_logits
+from tests.test_model import TINY, make_tiny_checkpoint, prefill_logits
 
 TINY_QWEN2 = {k: v for k, v in TINY.items() if k != "head_dim"} | dict(use_sliding_window=False)
 
 
 def make_tiny_qwen2_dir(path, seed=0, **overrides):
     """A random-weight Qwen2 checkpoint; biases randomized too (they start at zero)."""
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(**{**TINY_QWEN2, **overrides})
-    hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.5)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(path)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight")
-    save_file(sd, path / "model.safetensors")
+    config = {**TINY_QWEN2, **overrides}
+    hf = make_tiny_checkpoint(
+        path, transformers.Qwen2Config, transformers.Qwen2ForCausalLM, config, seed, True
+    )
     (path / "tokenizer.json").write_text("{}")  # check_model_dir asks for one; these tests pass ids
     return hf
 
@@ -90,12 +78,7 @@ def test_a_llama_with_attention_bias_matches_transformers(tmp_path):
     """LlamaConfig's attention_bias puts a bias on all four projections, O's included."""
     from tests.test_model import make_tiny_dir, ours_from_dir
 
-    hf = make_tiny_dir(tmp_path, seed=6, attention_bias=True)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0, 0.5)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "model.safetensors")
+    hf = make_tiny_dir(tmp_path, seed=6, random_biases=True, attention_bias=True)
     ours = ours_from_dir(tmp_path)
     assert ours.cfg.qkv_bias and ours.cfg.o_bias
     ids = list(range(5, 40))
@@ -128,16 +111,8 @@ def test_qwen2_shards_split_the_biases_with_their_rows(tmp_path):
 
 def make_tiny_qwen3_dir(path, seed=0):
     """A random-weight Qwen3 checkpoint; its query/key norms randomized like the others."""
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(**TINY_QWEN2, head_dim=8)
-    hf = transformers.Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    path.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, path / "model.safetensors")
+    config = TINY_QWEN2 | dict(head_dim=8)
+    hf = make_tiny_checkpoint(path, transformers.Qwen3Config, transformers.Qwen3ForCausalLM, config, seed)
     (path / "tokenizer.json").write_text("{}")
     return hf
 
