@@ -50,7 +50,7 @@ import threading
 from pathlib import Path
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "quant.cpp")]
+_SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "quant.cpp", "kquant.cpp")]
 _HEADERS = [_CSRC / "nanoserve.h"]
 _lock = threading.Lock()
 _ext = None

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.errors import NanoserveError
-from nanoserve.quant import QuantTensor
+from nanoserve.quant import QuantTensor, RowStack
 
 
 class KVCache(Protocol):
@@ -387,11 +387,9 @@ class Llama(nn.Module):
         other = sorted({m.kind for m in self.matrices() if isinstance(m, QuantTensor) and not m.native})
         if other:
             kinds = ", ".join(other)
-            return f"the fused decode step reads Q4_1 and Q8_0 blocks; this model has {kinds} matrices"
-        if self.cfg.qkv_bias or self.cfg.o_bias:
-            return "the fused decode step has no attention biases (Qwen2's); this model's step runs as ops"
-        if self.cfg.qk_norm:
-            return "the fused decode step has no query/key norms (Qwen3's); this model's step runs as ops"
+            return f"the fused decode step has no kernel for {kinds} matrices"
+        if self.cfg.o_bias:
+            return "the fused decode step has no output-projection bias; this model's step runs as ops"
         return None
 
     def fused_decode(self, plan, cache) -> torch.Tensor:
@@ -402,25 +400,40 @@ class Llama(nn.Module):
         from nanoserve.kernels import native
 
         if self._fused is None:
-            mats, kinds = [], []
+            mats, kinds, parts, part_rows = [], [], [], []
 
             def add(w):
-                if isinstance(w, QuantTensor):
-                    mats.append(w.blocks), kinds.append(w.code)
-                else:
-                    mats.append(w.detach().contiguous()), kinds.append(0)
+                pieces = w.parts if isinstance(w, RowStack) else [w]  # a stack as its parts
+                parts.append(len(pieces))
+                for p in pieces:
+                    if isinstance(p, QuantTensor):
+                        mats.append(p.blocks), kinds.append(p.code)
+                    else:
+                        mats.append(p.detach().contiguous()), kinds.append(0)
+                    part_rows.append(p.shape[0])
 
             add(self.embed)
-            norms = []
+            norms, biases, qk_norms = [], [], []
             for b in self.blocks:
                 for name in ("qkv", "o", "gate_up", "down"):
                     add(getattr(b, name))
                 norms += [b.input_norm.detach(), b.post_norm.detach()]
+                if b.qkv_bias is not None:  # Qwen2's
+                    biases.append(b.qkv_bias.detach().contiguous())
+                if b.q_norm is not None:  # Qwen3's
+                    qk_norms += [b.q_norm.detach().contiguous(), b.k_norm.detach().contiguous()]
             add(self.head)
             norms.append(self.norm.detach())
             int8 = isinstance(self.head, QuantTensor) and self.head.activations == "int8"
-            self._fused = (mats, kinds, norms, int8)
-        mats, kinds, norms, int8 = self._fused
+            stacked = {}  # only what differs from a Llama's one tensor a matrix: its call stays as it was
+            if len(mats) != len(parts):
+                stacked.update(parts=parts, part_rows=part_rows)
+            if biases:
+                stacked["biases"] = biases
+            if qk_norms:
+                stacked["qk_norms"] = qk_norms
+            self._fused = (mats, kinds, norms, int8, stacked)
+        mats, kinds, norms, int8, stacked = self._fused
         cache.ensure_pools()
         cfg = self.cfg
         return native().fused_decode(
@@ -443,6 +456,7 @@ class Llama(nn.Module):
             self.head.shape[0],
             cfg.rms_norm_eps,
             int8,
+            **stacked,
         )
 
     # --- loading ---------------------------------------------------------------------------

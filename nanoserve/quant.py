@@ -52,6 +52,8 @@ from nanoserve.errors import NanoserveError
 
 BLOCK = 32
 KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # the native kernel's codes
+# the K-quant files' other types (csrc/kquant.cpp), read in the file's layout only
+KINDS.update({"q4_0": 7, "q5_0": 8, "q5_1": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12})
 SPLIT_KINDS = {"q4_1": 3, "q8_0": 4}  # the same kinds in the split layout
 TILES_KINDS = {"q4_1": 5, "q8_0": 6}  # and in tiles
 LAYOUTS = ("gguf", "split", "tiles")
@@ -100,13 +102,8 @@ class QuantTensor:
             raise NanoserveError(f"a {kind} matrix has columns in blocks of {values}; this one has {cols}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, not {layout!r}")
-        if layout != "gguf" and kind not in KINDS:
+        if layout != "gguf" and kind not in SPLIT_KINDS:
             raise ValueError(f"{kind} matrices are kept in the file's layout; {layout} is for q4_1 and q8_0")
-        if activations == "int8" and kind not in KINDS:
-            raise NanoserveError(
-                f"int8 activations are for Q4_1 and Q8_0 matrices; this one is {kind.upper()} (serve "
-                "it with fp32 activations)"
-            )
         want = (rows, cols // values * BLOCK_BYTES[kind])
         if layout == "tiles":  # one row of bytes a tile of 16 rows
             want = (-(-rows // TILE), cols // BLOCK * TILE * TILE_BLOCK_BYTES[kind])
@@ -145,13 +142,13 @@ class QuantTensor:
 
     @property
     def native(self) -> bool:
-        """Whether the native kernels read this kind (Q4_1, Q8_0); the others run as torch ops."""
+        """Whether the native kernels read this kind (all of BLOCK_BYTES' kinds do)."""
         return self.kind in KINDS
 
     def split(self) -> QuantTensor:
-        """The same matrix with each row's bytes in the split layout (the module doc); a kind
-        the native kernels do not read stays in the file's layout."""
-        if self.layout == "split" or not self.native:
+        """The same matrix with each row's bytes in the split layout (the module doc); the K-quant
+        files' other types (Q4_0 ... Q6_K) stay in the file's layout, which their kernels read."""
+        if self.layout == "split" or self.kind not in SPLIT_KINDS:
             return self
         blocks = split_rows(self.blocks, self.kind)
         return QuantTensor(blocks, self.kind, self.shape, self.activations, "split")
@@ -159,7 +156,7 @@ class QuantTensor:
     def tiles(self) -> QuantTensor:
         """The same matrix in tiles of 16 rows (`tile_rows`): the int8 path's layout where the CPU
         has AVX512-VNNI (`native().has_tiles()`)."""
-        if self.layout == "tiles" or not self.native:
+        if self.layout == "tiles" or self.kind not in TILES_KINDS:
             return self
         blocks = tile_rows(self.gguf_blocks(), self.kind)
         return QuantTensor(blocks, self.kind, self.shape, self.activations, "tiles")
@@ -196,31 +193,31 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 matrix the blocks stand for."""
-        if not self.native:
-            return kquants.dequantize(self.blocks, self.kind, self.shape)
         ext = _native()
         if ext is not None:
             return ext.dequantize(self.blocks, self.code, *self.shape)
+        if self.kind not in SPLIT_KINDS:
+            return kquants.dequantize(self.blocks, self.kind, self.shape)
         return dequantize_torch(self.gguf_blocks(), self.kind, self.shape)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, in) @ W.T in fp32."""
         ext = _native()
-        if not self.native:  # every call widens the whole matrix: a reference, not a fast path
-            return F.linear(x.float(), self.dequantize())
         if ext is not None and x.device.type == "cpu":
             return ext.quant_linear(
                 x.float().contiguous(), self.blocks, self.code, self.shape[0], self.activations == "int8"
             )
+        # without the native build every call widens the whole matrix: a reference, not a fast
+        # path (and int8 activations are per 32 here, for the K types too: an approximation)
         x = x.float() if self.activations == "fp32" else int8_rows(x.float())
-        return F.linear(x, dequantize_torch(self.gguf_blocks(), self.kind, self.shape))
+        return F.linear(x, self.dequantize())
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (N,) widened to fp32, (N, in): what an embedding lookup needs."""
-        if not self.native:
+        ext = _native()
+        if ext is None and self.kind not in SPLIT_KINDS:
             ids = ids.reshape(-1)
             return kquants.dequantize(self.blocks[ids], self.kind, (ids.numel(), self.shape[1]))
-        ext = _native()
         if ext is not None:
             # the true row count: tiles store padding rows past it, which no id may reach
             return ext.embed_rows(
@@ -236,8 +233,8 @@ class QuantTensor:
 class RowStack(QuantTensor):
     """Matrices of different block types stacked by rows, as one: a Q4_K_M file keeps a layer's
     V in Q8_0 and its Q and K in Q5_0, and the model multiplies Q, K and V as one matrix. Its
-    product is each part's product side by side; it runs as torch ops (no native kernel reads a
-    stack), and `kind` is "mixed"."""
+    product is each part's product side by side (the fused step writes each part's into its
+    columns of one output); `kind` is "mixed"."""
 
     def __init__(self, parts: list[QuantTensor]):
         cols = {p.shape[1] for p in parts}
@@ -248,7 +245,7 @@ class RowStack(QuantTensor):
         self.shape = (sum(p.shape[0] for p in parts), cols.pop())
         self.blocks = parts[0].blocks  # its device; the bytes are the parts'
 
-    native = False
+    native = True
 
     @property
     def nbytes(self) -> int:
@@ -258,11 +255,14 @@ class RowStack(QuantTensor):
     def kinds(self) -> list[str]:
         return [p.kind for p in self.parts]
 
+    def with_activations(self, activations: str) -> RowStack:
+        return RowStack([p.with_activations(activations) for p in self.parts])
+
     def split(self) -> RowStack:
-        return self
+        return RowStack([p.split() for p in self.parts])
 
     def tiles(self) -> RowStack:
-        return self
+        return RowStack([p.tiles() for p in self.parts])
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
@@ -447,7 +447,7 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
             continue  # the config already holds the scaling these frequencies come from
         kind = t.tensor_type.name.lower()
         name = hf_name(t.name).removeprefix("model.")
-        if kind in BLOCK_BYTES and (weights == "gguf" or kind in KINDS):
+        if kind in BLOCK_BYTES:
             w = QuantTensor.from_gguf(t).with_activations(activations)
         elif kind in ("f32", "f16", "bf16"):
             from gguf.quants import dequantize
@@ -455,9 +455,8 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         else:
             raise NanoserveError(
-                f"{Path(path).name} holds {t.name} as {t.tensor_type.name}; --weights {weights} serves "
-                "Q4_1, Q8_0 and float tensors as a GGUF holds them (--weights gguf also reads Q4_0, "
-                "Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, as torch ops; or convert the file with import-gguf)"
+                f"{Path(path).name} holds {t.name} as {t.tensor_type.name}, a type nanoserve does not "
+                "read (it reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and float tensors)"
             )
         if permuted and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
@@ -541,8 +540,8 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
     if weights != "gguf" and matrix_kinds != {weights}:
         raise NanoserveError(
             f"--weights {weights} asks for {weights} block matrices; {Path(path).name} holds them as "
-            f"{', '.join(sorted(matrix_kinds))} (ask for that, or pass --model with the converted "
-            "directory to quantize its fp32 weights)"
+            f"{', '.join(sorted(matrix_kinds))} (--weights gguf serves them as they are; or pass --model "
+            "with the converted directory to quantize its fp32 weights)"
         )
     model.weights, model._fused = weights, None
     split_model(model)

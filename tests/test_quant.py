@@ -265,7 +265,9 @@ def test_the_gguf_loader_refuses_what_it_cannot_serve(tiny_q, tmp_path):
         load_gguf_model(path, cfg, "q8_0")
     sd = hf_tiny_weights(vocab=260, hidden=64, ffn=96, seed=5)
     other = write_quant_gguf(tmp_path / "q5.gguf", sd, "q5_0")
-    with pytest.raises(NanoserveError, match="as Q5_0; --weights q4_1 serves Q4_1, Q8_0 and float"):
+    with pytest.raises(
+        NanoserveError, match="q5.gguf holds them as q5_0 \\(--weights gguf serves them as they are"
+    ):
         load_gguf_model(other, cfg, "q4_1")
 
 
@@ -273,7 +275,8 @@ def test_the_gguf_loader_refuses_what_it_cannot_serve(tiny_q, tmp_path):
 def test_weights_gguf_serves_other_block_types_as_the_file_holds_them(kind, tmp_path):
     """--weights gguf: a tiny llama GGUF whose matrices are all `kind` (written with gguf's own
     quantizer) loads as its blocks and gives its fp32 conversion's logits and tokens; int8
-    activations and the fused step are refused for these kinds with a sentence."""
+    activations load too, and the fused step runs these kinds (csrc/kquant.cpp) and gives the
+    ops step's tokens."""
     from nanoserve.generate import greedy_tokens
     from nanoserve.weights import import_gguf
 
@@ -285,11 +288,14 @@ def test_weights_gguf_serves_other_block_types_as_the_file_holds_them(kind, tmp_
     ids = [5, 17, 200, 33, 9, 101, 64]
     assert (prefill_logits(qm, ids) - prefill_logits(ref, ids)).abs().max().item() < 1e-4
     assert greedy_tokens(qm, ids, 8) == greedy_tokens(ref, ids, 8)
-    assert "reads Q4_1 and Q8_0 blocks" in qm.fused_status()
-    with pytest.raises(
-        NanoserveError, match=f"int8 activations are for Q4_1 and Q8_0 matrices; this one is {kind.upper()}"
-    ):
-        load_gguf_model(path, ref.cfg, "gguf", "int8")
+    assert qm.fused_status() is None
+    fused = Engine(qm, None, EngineConfig(max_batch=2, decode_step="fused"))
+    assert fused.decode_step == "fused"
+    outs = fused.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert outs[0].token_ids == greedy_tokens(ref, ids, 8)
+    q8 = load_gguf_model(path, ref.cfg, "gguf", "int8")
+    assert q8.blocks[0].qkv.activations == "int8" and q8.fused_status() is None
+    assert (prefill_logits(q8, ids) - prefill_logits(ref, ids)).abs().max().item() < 0.1
 
 
 def test_engine_config_refuses_quantized_combinations_it_does_not_run():

@@ -19,6 +19,13 @@ from nanoserve.model import load_model
 from nanoserve.sampling import SamplingParams
 from tests.test_model import TINY, make_tiny_checkpoint, prefill_logits
 
+
+def native_built() -> bool:
+    from nanoserve.kernels import native
+
+    return native() is not None
+
+
 TINY_QWEN2 = {k: v for k, v in TINY.items() if k != "head_dim"} | dict(use_sliding_window=False)
 
 
@@ -72,6 +79,29 @@ def test_tiny_qwen2_through_the_engine_batched(tiny_qwen2):
     engine = Engine(model, None, EngineConfig(max_batch=4, max_num_batched_tokens=32))
     outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == [greedy_tokens(model, p, 12) for p in prompts]
+
+
+def fused_and_ops_tokens(model, prompts, n):
+    """Each prompt's greedy tokens from an engine whose decode steps are one native call, and the
+    model's own greedy tokens (torch ops)."""
+    engine = Engine(model, None, EngineConfig(max_batch=4, decode_step="fused"))
+    assert engine.decode_step == "fused"
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs], [greedy_tokens(model, p, n) for p in prompts]
+
+
+@pytest.mark.skipif(not native_built(), reason="the native kernels did not build")
+def test_the_fused_step_runs_qwen2s_biases(tiny_qwen2):
+    _, path = tiny_qwen2
+    model = load_model(path)
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    fused, ops = fused_and_ops_tokens(model, prompts, 12)
+    assert fused == ops
+    # the same step with its bias list emptied is another model: the check above can fail
+    model._fused[-1].pop("biases")
+    engine = Engine(model, None, EngineConfig(max_batch=4, decode_step="fused"))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] != ops
 
 
 def test_a_llama_with_attention_bias_matches_transformers(tmp_path):
@@ -133,6 +163,14 @@ def test_tiny_qwen3_matches_transformers_and_its_norms_count(tmp_path):
     engine = Engine(ours, None, EngineConfig(max_batch=4, max_num_batched_tokens=16))
     outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == [greedy_tokens(ours, p, 10) for p in prompts]
+    if native_built():  # the fused step: its per-head norms in C++, the same tokens
+        fresh = load_model(tmp_path)  # `ours` is packed for oneDNN now, which the fused step cannot read
+        fused, ops = fused_and_ops_tokens(fresh, prompts, 10)
+        assert fused == ops
+        fresh._fused[-1]["qk_norms"] = [torch.ones_like(n) for n in fresh._fused[-1]["qk_norms"]]
+        engine = Engine(fresh, None, EngineConfig(max_batch=4, decode_step="fused"))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] != ops  # without them: other tokens
     for b in ours.blocks:  # the same model without its query/key norms is another model
         b.q_norm.fill_(1.0)
     assert (prefill_logits(ours, ids) - logits).abs().max().item() > 1e-2
@@ -225,7 +263,7 @@ def test_qwen_served_from_its_own_blocks_gives_the_conversions_tokens(qwen):
     stacked = [b.qkv for b in blocks.blocks if isinstance(b.qkv, RowStack)]
     assert len(stacked) == 12 and stacked[0].kinds == ["q5_0", "q5_0", "q8_0"]
     assert describe_weights(blocks).startswith("gguf q4_k+q5_0+q6_k+q8_0 (fp32 activations), 4")
-    assert "this model has mixed, q4_k, q5_0, q6_k matrices" in blocks.fused_status()
+    assert blocks.fused_status() is None
 
     fp32 = load_model(model_dir)
     ids = Tokenizer.from_dir(model_dir).encode_chat(CHAT)

@@ -31,4 +31,13 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            std::vector<torch::Tensor> norms, std::vector<torch::Tensor> k_pools,
                            std::vector<torch::Tensor> v_pools, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-                           int64_t vocab, double eps, bool int8);
+                           int64_t vocab, double eps, bool int8, std::vector<int64_t> parts = {},
+                           std::vector<int64_t> part_rows = {}, std::vector<torch::Tensor> biases = {},
+                           std::vector<torch::Tensor> qk_norms = {});
+
+// kquant.cpp: the other block types of K-quant files (kinds 7-12: Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+bool is_kq_kind(int64_t kind);
+int64_t kq_row_bytes(int64_t kind, int64_t cols);  // checks cols against the kind's block
+void kq_matmul(const float* x, int64_t m, const uint8_t* w, int64_t kind, int64_t rows, int64_t cols, float* y,
+               int64_t ldy, bool int8);
+void kq_row_floats(const uint8_t* row, int64_t kind, int64_t cols, float* out);

@@ -115,9 +115,16 @@ struct Weight {
 };
 
 Weight weight_of(const torch::Tensor& w, int64_t kind, int64_t rows, int64_t cols) {
-  TORCH_CHECK(kind >= 0 && kind <= 6,
-              "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), not ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 12,
+              "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), 7-12 (Q4_0, Q5_0, "
+              "Q5_1, Q4_K, Q5_K, Q6_K: kquant.cpp), not ", kind);
   TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "weights are contiguous CPU tensors");
+  if (is_kq_kind(kind)) {
+    const int64_t rb = kq_row_bytes(kind, cols);
+    TORCH_CHECK(w.scalar_type() == torch::kByte && w.numel() == rows * rb,
+                "a quantized weight is ", rows, " rows of ", rb, " bytes (uint8)");
+    return {w.data_ptr<uint8_t>(), kind, rows, cols, rb};
+  }
   if (kind == 0) {
     TORCH_CHECK(w.scalar_type() == torch::kFloat && w.dim() == 2 && w.size(0) == rows && w.size(1) == cols,
                 "an fp32 weight is (", rows, ", ", cols, ") float32");
@@ -586,8 +593,16 @@ void tiles_q8_any(const XQ& xq, int64_t m, const Weight& w, float* y, int64_t ld
 // `next`, when given, is the matrix the caller multiplies by after this one: each thread ends by
 // asking for the first 4 KB of the part of it the same thread will read, so that its stream does
 // not start cold (the kernel prefetches 4 KB ahead of itself once it runs).
-void matmul(const float* x, int64_t m, const Weight& w, float* y, bool int8, const Weight* next = nullptr) {
+void matmul(const float* x, int64_t m, const Weight& w, float* y, bool int8, const Weight* next = nullptr,
+            int64_t ldy = -1) {
   const int64_t grain = 16;
+  if (is_kq_kind(w.kind)) return kq_matmul(x, m, w.data, w.kind, w.rows, w.cols, y, ldy < 0 ? w.rows : ldy, int8);
+  if (ldy >= 0 && ldy != w.rows) {  // a part of a stack: its own (m, rows) product, then copied
+    std::vector<float> part(m * w.rows);
+    matmul(x, m, w, part.data(), int8, next);
+    for (int64_t r = 0; r < m; ++r) std::memcpy(y + r * ldy, part.data() + r * w.rows, w.rows * 4);
+    return;
+  }
 #ifdef NANOSERVE_QVNNI512
   if (int8 && is_tiles(w.kind)) {
     const XQ xq = quantize_rows(x, m, w.cols, w.kind == 6);
@@ -642,6 +657,23 @@ void matmul(const float* x, int64_t m, const Weight& w, float* y, bool int8, con
     rows_portable(x, m, w, y, w.rows, n0, n1);
 #endif
   });
+}
+
+// A matrix stacked by rows from parts of different kinds (a Q4_K_M file's Q, K in Q5_0 and V in
+// Q8_0): its product is each part's, side by side in y's rows.
+struct Stack {
+  std::vector<Weight> parts;
+};
+
+void matmul_stack(const float* x, int64_t m, const Stack& s, float* y, bool int8, const Stack* next) {
+  const Weight* after = next != nullptr ? &next->parts[0] : nullptr;
+  if (s.parts.size() == 1) return matmul(x, m, s.parts[0], y, int8, after);
+  int64_t total = 0, at = 0;
+  for (const Weight& p : s.parts) total += p.rows;
+  for (size_t i = 0; i < s.parts.size(); ++i) {
+    matmul(x, m, s.parts[i], y + at, int8, i + 1 < s.parts.size() ? &s.parts[i + 1] : after, total);
+    at += s.parts[i].rows;
+  }
 }
 
 // exp(x) as softmax's (paged_attention.cpp's softmax_exp: Cephes' method, within a few ulp of
@@ -725,6 +757,10 @@ torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, in
         std::memcpy(yp + n * in_features, row, in_features * 4);
         continue;
       }
+      if (is_kq_kind(kind)) {
+        kq_row_floats(row, kind, in_features, yp + n * in_features);
+        continue;
+      }
       for (int64_t g = 0; g < in_features / QK; ++g) block_to_floats(wt, n, g, yp + n * in_features + g * QK);
     }
   });
@@ -734,13 +770,16 @@ torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, in
 torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features, int64_t rows) {
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.device().is_cpu(),
               "ids are (N,) int64 on the CPU");
-  TORCH_CHECK(kind >= 0 && kind <= 6,
-              "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), not ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 12,
+              "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), 7-12 (Q4_0, Q5_0, "
+              "Q5_1, Q4_K, Q5_K, Q6_K), not ", kind);
   TORCH_CHECK(in_features > 0, "an embedding row has at least one column, not ", in_features);
-  TORCH_CHECK(kind == 0 || in_features % QK == 0, "a quantized weight's columns come in blocks of 32, not ",
-              in_features);
+  TORCH_CHECK(kind == 0 || is_kq_kind(kind) || in_features % QK == 0,
+              "a quantized weight's columns come in blocks of 32, not ", in_features);
   if (rows < 0) {  // the rows the bytes hold (tiles: padding included)
-    const int64_t row_bytes = kind == 0 ? in_features * 4 : in_features / QK * block_bytes(kind);
+    const int64_t row_bytes = kind == 0          ? in_features * 4
+                              : is_kq_kind(kind) ? kq_row_bytes(kind, in_features)
+                                                 : in_features / QK * block_bytes(kind);
     TORCH_CHECK(w.numel() * w.element_size() % row_bytes == 0, "the weight's ", w.numel() * w.element_size(),
                 " bytes are not whole rows of ", in_features, " columns");
     rows = w.numel() * w.element_size() / row_bytes;
@@ -757,6 +796,10 @@ torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64
       std::memcpy(yp + i * in_features, wt.data + ip[i] * wt.row_bytes, in_features * 4);
       continue;
     }
+    if (is_kq_kind(kind)) {
+      kq_row_floats(wt.data + ip[i] * wt.row_bytes, kind, in_features, yp + i * in_features);
+      continue;
+    }
     for (int64_t g = 0; g < in_features / QK; ++g) block_to_floats(wt, ip[i], g, yp + i * in_features + g * QK);
   }
   return y;
@@ -768,11 +811,28 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            std::vector<torch::Tensor> norms, std::vector<torch::Tensor> k_pools,
                            std::vector<torch::Tensor> v_pools, torch::Tensor cos, torch::Tensor sin,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-                           int64_t vocab, double eps, bool int8) {
+                           int64_t vocab, double eps, bool int8, std::vector<int64_t> parts,
+                           std::vector<int64_t> part_rows, std::vector<torch::Tensor> biases,
+                           std::vector<torch::Tensor> qk_norms) {
   // Everything is checked here, before the first K/V write: an error leaves the pools as they were.
-  const int64_t layers = static_cast<int64_t>(k_pools.size());
-  TORCH_CHECK(mats.size() == static_cast<size_t>(4 * layers + 2) && kinds.size() == mats.size(),
-              "mats: the embedding, four matrices a block, the head; one kind each");
+  const int64_t layers = static_cast<int64_t>(k_pools.size()), slots_n = 4 * layers + 2;
+  if (parts.empty()) parts.assign(slots_n, 1);
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == slots_n,
+              "parts: how many of mats each of the ", slots_n, " matrices takes, not ", parts.size(), " counts");
+  int64_t tensors = 0;
+  for (int64_t i = 0; i < slots_n; ++i) {
+    TORCH_CHECK(parts[i] >= 1 && (parts[i] == 1 || i > 0), "matrix ", i, " takes ", parts[i],
+                " tensors; each takes at least one, and the embedding exactly one");
+    tensors += parts[i];
+  }
+  TORCH_CHECK(mats.size() == static_cast<size_t>(tensors) && kinds.size() == mats.size(),
+              "mats: the embedding, four matrices a block, the head (a stacked one as its parts); one kind each");
+  TORCH_CHECK(part_rows.empty() || part_rows.size() == mats.size(), "part_rows: one row count a tensor of mats");
+  TORCH_CHECK(tensors == slots_n || !part_rows.empty(), "stacked matrices need part_rows");
+  TORCH_CHECK(biases.empty() || static_cast<int64_t>(biases.size()) == layers,
+              "biases: none, or one QKV bias a block");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "qk_norms: none, or a query and a key norm a block");
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * layers + 1) && v_pools.size() == k_pools.size(),
               "norms: two a block and the final one; one K and one V pool a block");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads (", heads,
@@ -831,15 +891,38 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
   }
   TORCH_CHECK(layers == 0 || checked.reach <= fewest, "row ", checked.widest_row, " reads slot ",
               checked.reach - 1, ", outside the pools (layer ", fewest_layer, "'s hold ", fewest, ")");
-  std::vector<Weight> ws;  // mats[1:] in order, checked against the shapes this config implies
+  for (size_t i = 0; i < biases.size(); ++i)
+    TORCH_CHECK(biases[i].scalar_type() == torch::kFloat && biases[i].is_contiguous() && biases[i].device().is_cpu() &&
+                    biases[i].numel() == qkv_size,
+                "block ", i, "'s QKV bias is ", biases[i].numel(), " contiguous float32 on the CPU, not ",
+                biases[i].numel(), " ", biases[i].scalar_type());
+  for (size_t i = 0; i < qk_norms.size(); ++i)
+    TORCH_CHECK(qk_norms[i].scalar_type() == torch::kFloat && qk_norms[i].is_contiguous() &&
+                    qk_norms[i].device().is_cpu() && qk_norms[i].numel() == head_dim,
+                "query/key norm ", i, " is ", head_dim, " contiguous float32 on the CPU, not ", qk_norms[i].numel(),
+                " ", qk_norms[i].scalar_type());
+  // mats[1:] as the 4 * layers + 1 matrices, each its parts, checked against the config's shapes
+  std::vector<Stack> ws;
+  int64_t next_tensor = 1;
+  auto stack_of = [&](int64_t slot, int64_t rows, int64_t cols) {
+    Stack st;
+    int64_t total = 0;
+    for (int64_t k = 0; k < parts[slot]; ++k, ++next_tensor) {
+      const int64_t r = parts[slot] == 1 ? rows : part_rows[next_tensor];
+      st.parts.push_back(weight_of(mats[next_tensor], kinds[next_tensor], r, cols));
+      total += r;
+    }
+    TORCH_CHECK(total == rows, "matrix ", slot, "'s parts hold ", total, " rows; the config implies ", rows);
+    ws.push_back(std::move(st));
+  };
   for (int64_t l = 0; l < layers; ++l) {
-    ws.push_back(weight_of(mats[1 + 4 * l], kinds[1 + 4 * l], qkv_size, hidden));
-    ws.push_back(weight_of(mats[2 + 4 * l], kinds[2 + 4 * l], hidden, q_size));
-    ws.push_back(weight_of(mats[3 + 4 * l], kinds[3 + 4 * l], 2 * intermediate, hidden));
-    ws.push_back(weight_of(mats[4 + 4 * l], kinds[4 + 4 * l], hidden, intermediate));
+    stack_of(1 + 4 * l, qkv_size, hidden);
+    stack_of(2 + 4 * l, hidden, q_size);
+    stack_of(3 + 4 * l, 2 * intermediate, hidden);
+    stack_of(4 + 4 * l, hidden, intermediate);
   }
-  ws.push_back(weight_of(mats[4 * layers + 1], kinds[4 * layers + 1], vocab_rows, hidden));
-  auto weight = [&](int64_t i) -> const Weight& { return ws[i - 1]; };  // i: the index into mats
+  stack_of(4 * layers + 1, vocab_rows, hidden);
+  auto weight = [&](int64_t i) -> const Stack& { return ws[i - 1]; };  // i: the matrix's index
   auto f32 = torch::dtype(torch::kFloat);
   torch::Tensor x = embed_rows(ids, mats[0], kinds[0], hidden);  // (B, H)
   auto h = torch::empty({b, hidden}, f32), tmp = torch::empty({b, hidden}, f32);
@@ -854,11 +937,19 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor &kp = k_pools[l], &vp = v_pools[l];
     rms_norm(xp, norms[2 * l].data_ptr<float>(), b, hidden, eps, hp);
-    const Weight &w_o = weight(2 + 4 * l), &w_gu = weight(3 + 4 * l), &w_down = weight(4 + 4 * l);
-    const Weight& w_next = weight(5 + 4 * l);  // the next block's QKV, or after the last block the head
-    matmul(hp, b, weight(1 + 4 * l), qkvp, int8, &w_o);
-    for (int64_t r = 0; r < b; ++r) {  // rotate q and k, store k and v, gather q
+    const Stack &w_o = weight(2 + 4 * l), &w_gu = weight(3 + 4 * l), &w_down = weight(4 + 4 * l);
+    const Stack& w_next = weight(5 + 4 * l);  // the next block's QKV, or after the last block the head
+    matmul_stack(hp, b, weight(1 + 4 * l), qkvp, int8, &w_o);
+    for (int64_t r = 0; r < b; ++r) {  // (bias, per-head norms,) rotate q and k, store k and v, gather q
       float* row = qkvp + r * qkv_size;
+      if (!biases.empty()) {
+        const float* bias = biases[l].data_ptr<float>();
+        for (int64_t i = 0; i < qkv_size; ++i) row[i] += bias[i];
+      }
+      if (!qk_norms.empty()) {  // each head of q and of k normed over head_dim, in place
+        rms_norm(row, qk_norms[2 * l].data_ptr<float>(), heads, head_dim, eps, row);
+        rms_norm(row + q_size, qk_norms[2 * l + 1].data_ptr<float>(), kv_heads, head_dim, eps, row + q_size);
+      }
       const float *c = cp + pos[r] * head_dim, *s = sp + pos[r] * head_dim;
       for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
         float* v = row + hh * head_dim;
@@ -873,20 +964,20 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
       std::memcpy(vp.data_ptr<float>() + slots[r] * kv_size, row + q_size + kv_size, kv_size * 4);
     }
     torch::Tensor attn = decode_attention_checked(q, kp, vp, checked, scale);  // (B, heads, hd)
-    matmul(attn.data_ptr<float>(), b, w_o, tp, int8, &w_gu);
+    matmul_stack(attn.data_ptr<float>(), b, w_o, tp, int8, &w_gu);
     for (int64_t i = 0; i < b * hidden; ++i) xp[i] += tp[i];
     rms_norm(xp, norms[2 * l + 1].data_ptr<float>(), b, hidden, eps, hp);
-    matmul(hp, b, w_gu, gup, int8, &w_down);
+    matmul_stack(hp, b, w_gu, gup, int8, &w_down);
     for (int64_t r = 0; r < b; ++r) {
       const float *g = gup + r * 2 * intermediate, *u = g + intermediate;
       float* a = ap + r * intermediate;
       silu_mul(g, u, a, intermediate);
     }
-    matmul(ap, b, w_down, tp, int8, &w_next);
+    matmul_stack(ap, b, w_down, tp, int8, &w_next);
     for (int64_t i = 0; i < b * hidden; ++i) xp[i] += tp[i];
   }
   rms_norm(xp, norms[2 * layers].data_ptr<float>(), b, hidden, eps, hp);
   auto logits = torch::empty({b, vocab_rows}, f32);
-  matmul(hp, b, weight(4 * layers + 1), logits.data_ptr<float>(), int8);
+  matmul_stack(hp, b, weight(4 * layers + 1), logits.data_ptr<float>(), int8, nullptr);
   return logits;
 }

@@ -1,0 +1,561 @@
+// Linears over the other block types of a Q4_K_M or Q5_K_M file, read as the file holds them (CPU).
+//
+//   kind  type   values  bytes  a value (kquants.py has the layouts)
+//    7    Q4_0     32     18    d * (q - 8)
+//    8    Q5_0     32     22    d * (q - 16)
+//    9    Q5_1     32     24    d * q + m
+//   10    Q4_K    256    144    (d * sc_j) * q - (dmin * m_j), eight sub-blocks j of 32
+//   11    Q5_K    256    176    as Q4_K with a fifth bit
+//   12    Q6_K    256    210    (d * sc_j) * (q - 32), sixteen sub-blocks j of 16, sc_j int8
+//
+// Every kernel reads a row 32 values at a time (a "group": a block, or an eighth of a
+// super-block): the group's codes as 32 unsigned bytes q (at most 63) and, for each half of it,
+// a scale s and an offset o. The fp32 path's weight is fma(s, c, o), c the code less the type's
+// offset (8, 16 or 32 for Q4_0, Q5_0, Q6_K; else 0). Against gguf's dequantization:
+//   Q4_0/Q5_0: s = d, o = -0: d * (q - off), exact, the sign of a zero included (-0 + -0 is -0).
+//   Q5_1: s = d, o = m: d * q is exact and the add rounds once, as numpy's does.
+//   Q4_K/Q5_K: s = d * sc, o = -(dmin * m), both exact (11 + 6 bits); s * q is exact (22 bits)
+//     and the subtraction rounds once, as numpy's (d * sc) * q - dmin * m does.
+//   Q6_K: s = d * sc (exact), o = -0: s * (q - 32) rounded once, as numpy's (d * sc) * (q - 32).
+// So the fp32 path's weights, computed with one fused multiply-add, are bit for bit gguf's
+// (tests/test_kquants.py over random blocks of every kind); only the order of the sums differs
+// from a matmul over the dequantized matrix.
+//
+// The int8 path is llama.cpp's arithmetic. Against a 32-value block type x is quantized per 32
+// (Q8_0: xd = max|x| / 127, xq = round(x / xd)); a block's dot is exact integer multiply-adds
+// scaled by d * xd (Q4_0 and Q5_0 with their codes made signed, q - off), plus m * xd * sum(xq)
+// for Q5_1's minimum. Against a K type x is quantized per 256 (Q8_K: the scale is the value of
+// largest magnitude over -127, the codes clamped to 127, and the sums of each 16 codes kept): a
+// super-block's dot is sum_j sc_j * (q . xq over sub-block j), an exact integer, times d * xd,
+// less dmin * xd * sum_j m_j * (its codes' sum) (Q4_K, Q5_K), or with 32 * sc_j * (codes' sum)
+// taken off inside the integer (Q6_K).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include "nanoserve.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define NANOSERVE_KAVX2 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t Q4_0 = 7, Q5_0 = 8, Q5_1 = 9, Q4_K = 10, Q5_K = 11, Q6_K = 12;
+constexpr int64_t GROUP = 32, SUPER = 256;
+
+inline bool is_super(int64_t kind) { return kind >= Q4_K; }
+// what the fp32 path takes off a code before scaling it
+template <int64_t KIND>
+constexpr int code_offset() {
+  return KIND == Q4_0 ? 8 : KIND == Q5_0 ? 16 : KIND == Q6_K ? 32 : 0;
+}
+inline int64_t kind_values(int64_t kind) { return is_super(kind) ? SUPER : GROUP; }
+inline int64_t kind_bytes(int64_t kind) {
+  static const int64_t bytes[] = {18, 22, 24, 144, 176, 210};
+  return bytes[kind - Q4_0];
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef NANOSERVE_KAVX2
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q4_K/Q5_K's twelve bytes of scales and mins: sub-block j's 6-bit scale and min.
+inline void scale_min_k4(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Group gi of a row: where its block starts and which group of the block it is.
+template <int64_t KIND>
+inline const uint8_t* block_of(const uint8_t* row, int64_t gi, int& j) {
+  if constexpr (KIND >= Q4_K) {
+    j = static_cast<int>(gi % 8);
+    return row + (gi / 8) * kind_bytes(KIND);
+  } else {
+    j = 0;
+    return row + gi * kind_bytes(KIND);
+  }
+}
+
+// A group's scales: the float scale and offset of each half (fp32 path), and the integers the
+// int8 path multiplies by: isc[half] (Q6_K: the two sub-blocks' scales; Q4_K/Q5_K: the one
+// sub-block's, twice), imin (Q4_K/Q5_K's 6-bit min), and the block's d, dmin or m.
+struct GroupScales {
+  float s[2], o[2];
+  int isc[2], imin;
+  float d, dmin;
+};
+
+template <int64_t KIND>
+inline GroupScales group_scales(const uint8_t* b, int j) {
+  GroupScales g{};
+  if constexpr (KIND == Q4_0 || KIND == Q5_0) {
+    g.d = half_at(b);
+    g.s[0] = g.s[1] = g.d;
+    g.o[0] = g.o[1] = -0.0f;
+  } else if constexpr (KIND == Q5_1) {
+    g.d = half_at(b);
+    g.dmin = half_at(b + 2);  // the minimum m
+    g.s[0] = g.s[1] = g.d;
+    g.o[0] = g.o[1] = g.dmin;
+  } else if constexpr (KIND == Q4_K || KIND == Q5_K) {
+    g.d = half_at(b);
+    g.dmin = half_at(b + 2);
+    int sc, m;
+    scale_min_k4(b + 4, j, sc, m);
+    g.isc[0] = g.isc[1] = sc;
+    g.imin = m;
+    g.s[0] = g.s[1] = g.d * static_cast<float>(sc);
+    g.o[0] = g.o[1] = -(g.dmin * static_cast<float>(m));
+  } else {  // Q6_K: group j is sub-blocks 2j and 2j + 1
+    g.d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; ++h) {
+      g.isc[h] = sc[2 * j + h];
+      g.s[h] = g.d * static_cast<float>(g.isc[h]);
+      g.o[h] = -0.0f;
+    }
+  }
+  return g;
+}
+
+// A group's 32 codes, unsigned, one byte each, value i of the group in byte i.
+template <int64_t KIND>
+inline void group_codes(const uint8_t* b, int j, uint8_t* q) {
+  if constexpr (KIND == Q4_0) {
+    for (int i = 0; i < 16; ++i) q[i] = b[2 + i] & 0x0F, q[i + 16] = b[2 + i] >> 4;
+  } else if constexpr (KIND == Q5_0 || KIND == Q5_1) {
+    const int at = KIND == Q5_0 ? 2 : 4;
+    const uint32_t qh = u32_at(b + at);
+    for (int i = 0; i < 16; ++i) {
+      q[i] = (b[at + 4 + i] & 0x0F) | (((qh >> i) & 1) << 4);
+      q[i + 16] = (b[at + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    }
+  } else if constexpr (KIND == Q4_K || KIND == Q5_K) {
+    const uint8_t* qs = b + (KIND == Q5_K ? 48 : 16) + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < 32; ++i) {
+      q[i] = (qs[i] >> shift) & 0x0F;
+      if constexpr (KIND == Q5_K) q[i] |= ((b[16 + i] >> j) & 1) << 4;
+    }
+  } else {  // Q6_K
+    const int half = j / 4, k = j % 4;
+    const uint8_t* ql = b + 64 * half + 32 * (k & 1);
+    const uint8_t* qh = b + 128 + 32 * half;
+    const int shift = k >= 2 ? 4 : 0;
+    for (int i = 0; i < 32; ++i) q[i] = ((ql[i] >> shift) & 0x0F) | (((qh[i] >> (2 * k)) & 3) << 4);
+  }
+}
+
+template <int64_t KIND>
+void row_floats(const uint8_t* row, int64_t cols, float* out) {
+  uint8_t q[GROUP];
+  for (int64_t gi = 0; gi < cols / GROUP; ++gi) {
+    int j;
+    const uint8_t* b = block_of<KIND>(row, gi, j);
+    const GroupScales g = group_scales<KIND>(b, j);
+    group_codes<KIND>(b, j, q);
+    for (int i = 0; i < GROUP; ++i)
+      out[gi * GROUP + i] = std::fma(g.s[i / 16], static_cast<float>(q[i] - code_offset<KIND>()), g.o[i / 16]);
+  }
+}
+
+// x quantized for the int8 path: per 32 (Q8_0) or per 256 (Q8_K) values of each row.
+struct XQ {
+  std::vector<int8_t> q;   // (m, cols)
+  std::vector<float> d;    // (m, cols / block): the scale
+  std::vector<float> s;    // per 32: d * sum(q) (Q5_1's minimum term)
+  std::vector<int32_t> bs; // per 256: the sums of each 16 codes, (m, cols / 16)
+};
+
+XQ quantize_q8_0(const float* x, int64_t m, int64_t cols) {
+  const int64_t groups = cols / GROUP;
+  XQ out{std::vector<int8_t>(m * cols), std::vector<float>(m * groups), std::vector<float>(m * groups), {}};
+  for (int64_t i = 0; i < m * groups; ++i) {
+    const float* xb = x + i * GROUP;
+    float amax = 0.0f;
+    for (int k = 0; k < GROUP; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int k = 0; k < GROUP; ++k) {
+      const int v = static_cast<int>(std::nearbyint(xb[k] * id));
+      out.q[i * GROUP + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    out.d[i] = d;
+    out.s[i] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+XQ quantize_q8_k(const float* x, int64_t m, int64_t cols) {
+  const int64_t supers = cols / SUPER;
+  XQ out{std::vector<int8_t>(m * cols), std::vector<float>(m * supers), {}, std::vector<int32_t>(m * cols / 16)};
+  for (int64_t i = 0; i < m * supers; ++i) {
+    const float* xb = x + i * SUPER;
+    float amax = 0.0f, max = 0.0f;
+    for (int k = 0; k < SUPER; ++k)
+      if (std::fabs(xb[k]) > amax) amax = std::fabs(xb[k]), max = xb[k];
+    int8_t* q = out.q.data() + i * SUPER;
+    if (amax == 0.0f) {
+      out.d[i] = 0.0f;
+      std::memset(q, 0, SUPER);
+    } else {
+      const float iscale = -127.0f / max;
+      for (int k = 0; k < SUPER; ++k)
+        q[k] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[k]))));
+      out.d[i] = 1.0f / iscale;
+    }
+    for (int k = 0; k < SUPER / 16; ++k) {
+      int sum = 0;
+      for (int t = 0; t < 16; ++t) sum += q[16 * k + t];
+      out.bs[i * (SUPER / 16) + k] = sum;
+    }
+  }
+  return out;
+}
+
+// --- portable loops --------------------------------------------------------------------------
+
+template <int64_t KIND>
+void rows_f32_portable(const float* x, int64_t m, const uint8_t* w, int64_t cols, int64_t row_bytes, float* y,
+                       int64_t ldy, int64_t n0, int64_t n1) {
+  std::vector<float> wf(cols);
+  for (int64_t n = n0; n < n1; ++n) {
+    row_floats<KIND>(w + n * row_bytes, cols, wf.data());
+    for (int64_t r = 0; r < m; ++r) {
+      float t = 0.0f;
+      for (int64_t gi = 0; gi < cols / GROUP; ++gi) {
+        float s = 0.0f;
+        for (int i = 0; i < GROUP; ++i) s += wf[gi * GROUP + i] * x[r * cols + gi * GROUP + i];
+        t += s;
+      }
+      y[r * ldy + n] = t;
+    }
+  }
+}
+
+template <int64_t KIND>
+void rows_q8_portable(const XQ& xq, int64_t m, const uint8_t* w, int64_t cols, int64_t row_bytes, float* y,
+                      int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t groups = cols / GROUP;
+  uint8_t q[GROUP];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* xr = xq.q.data() + r * cols;
+      float t = 0.0f;
+      if constexpr (KIND >= Q4_K) {
+        for (int64_t sb = 0; sb < cols / SUPER; ++sb) {
+          int32_t sumi = 0, summ = 0;
+          GroupScales g{};
+          for (int j = 0; j < 8; ++j) {
+            int jj;
+            const uint8_t* b = block_of<KIND>(row, sb * 8 + j, jj);
+            g = group_scales<KIND>(b, j);
+            group_codes<KIND>(b, j, q);
+            const int8_t* xb = xr + sb * SUPER + j * GROUP;
+            const int32_t* bs = xq.bs.data() + r * (cols / 16) + sb * 16 + 2 * j;
+            for (int h = 0; h < 2; ++h) {
+              int32_t dot = 0;
+              for (int i = 16 * h; i < 16 * h + 16; ++i) dot += q[i] * xb[i];
+              if constexpr (KIND == Q6_K) dot -= 32 * bs[h];
+              sumi += g.isc[h] * dot;
+            }
+            if constexpr (KIND != Q6_K) summ += g.imin * (bs[0] + bs[1]);
+          }
+          const float xd = xq.d[r * (cols / SUPER) + sb];
+          t += g.d * xd * static_cast<float>(sumi);
+          if constexpr (KIND != Q6_K) t -= g.dmin * xd * static_cast<float>(summ);
+        }
+      } else {
+        for (int64_t gi = 0; gi < groups; ++gi) {
+          const uint8_t* b = row + gi * kind_bytes(KIND);
+          const GroupScales g = group_scales<KIND>(b, 0);
+          group_codes<KIND>(b, 0, q);
+          const int off = KIND == Q4_0 ? 8 : KIND == Q5_0 ? 16 : 0;
+          int32_t dot = 0;
+          for (int i = 0; i < GROUP; ++i) dot += (q[i] - off) * xr[gi * GROUP + i];
+          const int64_t at = r * groups + gi;
+          t += g.d * xq.d[at] * static_cast<float>(dot);
+          if constexpr (KIND == Q5_1) t += g.dmin * xq.s[at];
+        }
+      }
+      y[r * ldy + n] = t;
+    }
+  }
+}
+
+#ifdef NANOSERVE_KAVX2
+// --- AVX2 ---------------------------------------------------------------------------------------
+
+inline float hsum8(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// 32 bits to 32 bytes: byte i is 0x10 where bit i is set, else 0.
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3,
+                       3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The group's 32 codes in one register (group_codes, vectorised).
+template <int64_t KIND>
+inline __m256i codes_avx2(const uint8_t* b, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (KIND <= Q5_1) {
+    const int at = KIND == Q4_0 ? 2 : KIND == Q5_0 ? 6 : 8;
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low4);
+    if constexpr (KIND != Q4_0) q = _mm256_or_si256(q, fifth_bits(u32_at(b + at - 4)));
+    return q;
+  } else if constexpr (KIND == Q4_K || KIND == Q5_K) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == Q5_K ? 48 : 16) + 32 * (j / 2)));
+    __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(qs, 4) : qs, low4);
+    if constexpr (KIND == Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    return q;
+  } else {
+    const int half = j / 4, k = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (k & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    const __m256i lo = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+}
+
+// fp32 activations: MR rows of x against outputs [n0, n1); each group widened to 32 floats once
+// (one FMA each: s * q + o) and used for all MR rows.
+template <int64_t KIND, int MR>
+void rows_f32(const float* x, const uint8_t* w, int64_t cols, int64_t row_bytes, float* y, int64_t ldy, int64_t n0,
+              int64_t n1) {
+  constexpr int A = MR == 1 ? 2 : 1;
+  const int64_t groups = cols / GROUP;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR][A];
+    for (int r = 0; r < MR; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      int j;
+      const uint8_t* b = block_of<KIND>(row, gi, j);
+      const GroupScales g = group_scales<KIND>(b, j);
+      const __m256i q = _mm256_sub_epi8(codes_avx2<KIND>(b, j), _mm256_set1_epi8(code_offset<KIND>()));
+      const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+      const __m256 s0 = _mm256_set1_ps(g.s[0]), s1 = _mm256_set1_ps(g.s[1]);
+      const __m256 o0 = _mm256_set1_ps(g.o[0]), o1 = _mm256_set1_ps(g.o[1]);
+      __m256 wv[4];
+      wv[0] = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), o0);
+      wv[1] = _mm256_fmadd_ps(s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), o0);
+      wv[2] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), o1);
+      wv[3] = _mm256_fmadd_ps(s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), o1);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * cols + gi * GROUP;
+        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(wv[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i % A]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      __m256 s = acc[r][0];
+      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
+      y[r * ldy + n] = hsum8(s);
+    }
+  }
+}
+
+// The int8 path over 32-value blocks (Q8_0 activations): as quant.cpp's Q8_0 and Q4_1 kernels.
+template <int64_t KIND, int MR>
+void rows_q8_0(const XQ& xq, int64_t r0, const uint8_t* w, int64_t cols, int64_t row_bytes, float* y, int64_t ldy,
+               int64_t n0, int64_t n1) {
+  const int64_t groups = cols / GROUP;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR];
+    float mins[MR] = {};
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const uint8_t* b = row + gi * kind_bytes(KIND);
+      const float d = half_at(b);
+      __m256i q = codes_avx2<KIND>(b, 0), uq = q;
+      if constexpr (KIND != Q5_1) {  // signed codes q - off; the sign moves onto x
+        q = _mm256_sub_epi8(q, _mm256_set1_epi8(KIND == Q4_0 ? 8 : 16));
+        uq = _mm256_sign_epi8(q, q);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (r0 + r) * groups + gi;
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * cols + gi * GROUP));
+        if constexpr (KIND != Q5_1) xv = _mm256_sign_epi8(xv, q);
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(uq, xv), ones));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xq.d[at]), dots, acc[r]);
+        if constexpr (KIND == Q5_1) mins[r] += half_at(b + 2) * xq.s[at];
+      }
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = hsum8(acc[r]) + mins[r];
+  }
+}
+
+// The int8 path over super-blocks (Q8_K activations): per super-block and row, the integer
+// sum_j sc_j * (codes . xq) in eight int32 lanes, then one FMA by d * xd.
+template <int64_t KIND, int MR>
+void rows_q8_k(const XQ& xq, int64_t r0, const uint8_t* w, int64_t cols, int64_t row_bytes, float* y, int64_t ldy,
+               int64_t n0, int64_t n1) {
+  const int64_t supers = cols / SUPER;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MR];
+    float mins[MR] = {};
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < supers; ++sb) {
+      const uint8_t* b = row + sb * kind_bytes(KIND);
+      __m256i sumi[MR];
+      int32_t off[MR] = {};  // Q4_K/Q5_K: sum_j m_j * codes' sum; Q6_K: 32 * sum_j sc_j * codes' sum
+      for (int r = 0; r < MR; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const GroupScales g = group_scales<KIND>(b, j);
+        const __m256i q = codes_avx2<KIND>(b, j);
+        const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(g.isc[1])),
+                                            _mm_set1_epi16(static_cast<int16_t>(g.isc[0])));
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xb = xq.q.data() + (r0 + r) * cols + sb * SUPER + j * GROUP;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), sc));
+          const int32_t* bs = xq.bs.data() + (r0 + r) * (cols / 16) + sb * 16 + 2 * j;
+          if constexpr (KIND == Q6_K)
+            off[r] += 32 * (g.isc[0] * bs[0] + g.isc[1] * bs[1]);
+          else
+            off[r] += g.imin * (bs[0] + bs[1]);
+        }
+      }
+      const float d = half_at(KIND == Q6_K ? b + 208 : b);
+      const float dmin = KIND == Q6_K ? 0.0f : half_at(b + 2);
+      for (int r = 0; r < MR; ++r) {
+        const float xd = xq.d[(r0 + r) * supers + sb];
+        if constexpr (KIND == Q6_K) {
+          sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_setr_epi32(off[r], 0, 0, 0, 0, 0, 0, 0));
+        } else {
+          mins[r] -= dmin * xd * static_cast<float>(off[r]);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = hsum8(acc[r]) + mins[r];
+  }
+}
+
+template <int MR, int MAX, typename F>
+inline void with_rows(int64_t size, int64_t r0, F& f) {
+  if constexpr (MR < MAX) {
+    if (size == MR) return f(r0, std::integral_constant<int, MR>{});
+    return with_rows<MR + 1, MAX>(size, r0, f);
+  } else {
+    f(r0, std::integral_constant<int, MAX>{});
+  }
+}
+
+template <int MAX, typename F>
+inline void in_row_groups(int64_t m, F f) {
+  for (int64_t r0 = 0; r0 < m; r0 += MAX) with_rows<1, MAX>(std::min<int64_t>(MAX, m - r0), r0, f);
+}
+#endif
+
+template <int64_t KIND>
+void matmul_kind(const float* x, int64_t m, const uint8_t* w, int64_t rows, int64_t cols, float* y, int64_t ldy,
+                 bool int8) {
+  const int64_t row_bytes = cols / kind_values(KIND) * kind_bytes(KIND), grain = 16;
+  if (int8) {
+    const XQ xq = KIND >= Q4_K ? quantize_q8_k(x, m, cols) : quantize_q8_0(x, m, cols);
+    at::parallel_for(0, rows, grain, [&](int64_t n0, int64_t n1) {
+#ifdef NANOSERVE_KAVX2
+      in_row_groups<4>(m, [&](int64_t r0, auto mr) {
+        constexpr int MR = decltype(mr)::value;
+        if constexpr (KIND >= Q4_K)
+          rows_q8_k<KIND, MR>(xq, r0, w, cols, row_bytes, y + r0 * ldy, ldy, n0, n1);
+        else
+          rows_q8_0<KIND, MR>(xq, r0, w, cols, row_bytes, y + r0 * ldy, ldy, n0, n1);
+      });
+#else
+      rows_q8_portable<KIND>(xq, m, w, cols, row_bytes, y, ldy, n0, n1);
+#endif
+    });
+    return;
+  }
+  at::parallel_for(0, rows, grain, [&](int64_t n0, int64_t n1) {
+#ifdef NANOSERVE_KAVX2
+    in_row_groups<8>(m, [&](int64_t r0, auto mr) {
+      rows_f32<KIND, decltype(mr)::value>(x + r0 * cols, w, cols, row_bytes, y + r0 * ldy, ldy, n0, n1);
+    });
+#else
+    rows_f32_portable<KIND>(x, m, w, cols, row_bytes, y, ldy, n0, n1);
+#endif
+  });
+}
+
+}  // namespace
+
+bool is_kq_kind(int64_t kind) { return kind >= Q4_0 && kind <= Q6_K; }
+
+int64_t kq_row_bytes(int64_t kind, int64_t cols) {
+  TORCH_CHECK(is_kq_kind(kind), "kind ", kind, " is not one of 7-12 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(cols > 0 && cols % kind_values(kind) == 0, "a kind ", kind, " weight's columns come in blocks of ",
+              kind_values(kind), ", not ", cols);
+  return cols / kind_values(kind) * kind_bytes(kind);
+}
+
+void kq_matmul(const float* x, int64_t m, const uint8_t* w, int64_t kind, int64_t rows, int64_t cols, float* y,
+               int64_t ldy, bool int8) {
+  switch (kind) {
+    case Q4_0: return matmul_kind<Q4_0>(x, m, w, rows, cols, y, ldy, int8);
+    case Q5_0: return matmul_kind<Q5_0>(x, m, w, rows, cols, y, ldy, int8);
+    case Q5_1: return matmul_kind<Q5_1>(x, m, w, rows, cols, y, ldy, int8);
+    case Q4_K: return matmul_kind<Q4_K>(x, m, w, rows, cols, y, ldy, int8);
+    case Q5_K: return matmul_kind<Q5_K>(x, m, w, rows, cols, y, ldy, int8);
+    default: return matmul_kind<Q6_K>(x, m, w, rows, cols, y, ldy, int8);
+  }
+}
+
+void kq_row_floats(const uint8_t* row, int64_t kind, int64_t cols, float* out) {
+  switch (kind) {
+    case Q4_0: return row_floats<Q4_0>(row, cols, out);
+    case Q5_0: return row_floats<Q5_0>(row, cols, out);
+    case Q5_1: return row_floats<Q5_1>(row, cols, out);
+    case Q4_K: return row_floats<Q4_K>(row, cols, out);
+    case Q5_K: return row_floats<Q5_K>(row, cols, out);
+    default: return row_floats<Q6_K>(row, cols, out);
+  }
+}
