@@ -822,7 +822,17 @@ def cmd_tp(args) -> None:
     print(cpu_line())
     model_dir = resolve_model_dir(args.model)
     counts = args.ranks or [n for n in allowed_ranks(LlamaConfig.from_dir(model_dir)) if n > 1]
-    gen = [args.prompt, "--max-tokens", str(args.tokens), "--ignore-eos", "--threads", "1"]
+    # the fp32 weights in one process too (its default would be the GGUF): the model the ranks split
+    gen = [
+        args.prompt,
+        "--max-tokens",
+        str(args.tokens),
+        "--ignore-eos",
+        "--threads",
+        "1",
+        "--weights",
+        "dtype",
+    ]
     gen += ["--model", str(model_dir)] if args.model else []
     # one process, the same command: its text and rate; its weights and pool measured here
     text, _, rate = tp_generate(1, gen)

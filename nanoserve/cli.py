@@ -28,26 +28,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="DIR|NAME",
-        help="an HF-layout Llama-family or Qwen2 model directory, or a name fetch-model knows: "
-        "smollm2-135m-instruct (the default), qwen2.5-coder-0.5b-instruct",
+        help="an HF-layout Llama, Qwen2 or Qwen3 model directory, a Hugging Face repo id (Org/Name, "
+        "through huggingface_hub's cache), or a name fetch-model knows: smollm2-135m-instruct (the "
+        "default), qwen2.5-coder-0.5b-instruct",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
     p.add_argument(
         "--weights",
-        choices=["q4_1", "q8_0", "gguf"],
-        default=None,
-        help="serve quantized matrices as a GGUF holds them: the default model's own Q4_1 file as "
-        "it lies, --gguf's, or --model's fp32 weights quantized at load; gguf: the file's own mix of "
-        "types (Q4_K_M's Q5_0, Q4_K, Q6_K... read as torch ops for now) (default: --dtype's "
-        "unquantized weights)",
+        choices=["auto", "q4_1", "q8_0", "gguf", "dtype"],
+        default="auto",
+        help="serve quantized matrices as a GGUF holds them: gguf, the file's own mix of types (the "
+        "default model's Q4_1, Q4_K_M's Q5_0, Q4_K, Q6_K, Q8_0...), or q4_1/q8_0 (the default "
+        "model's file, --gguf's, or --model's fp32 weights quantized at load); dtype: --dtype's "
+        "unquantized weights. auto: gguf on a CPU for a model fetched by name or a --gguf file, "
+        "else dtype (default: auto)",
     )
     p.add_argument("--gguf", default=None, metavar="FILE", help="with --weights: the GGUF to read them from")
     p.add_argument(
         "--quant-activations",
-        choices=["fp32", "int8"],
-        default="fp32",
-        help="with --weights: fp32 (the dequantized model's numbers) or int8 per block (llama.cpp's "
-        "arithmetic) (default: fp32)",
+        choices=["auto", "fp32", "int8"],
+        default="auto",
+        help="with quantized weights: fp32 (the dequantized model's numbers) or int8 per block "
+        "(llama.cpp's arithmetic); auto: int8, which `make lmeval` holds to the fp32 model's "
+        "scores (default: auto)",
     )
     p.add_argument(
         "--decode-step",
@@ -133,6 +136,12 @@ def build_parser() -> Parser:
         "--no-capture",
         action="store_true",
         help="decode eagerly: no buckets, no persistent inputs, no recorded graphs (days 51-55 off)",
+    )
+    p.add_argument(
+        "--capture",
+        action="store_true",
+        help="decode through buckets, persistent inputs and recorded graphs even where the default "
+        "is eager (a CPU serving quantized weights, whose fused step measured faster unpadded)",
     )
     p.add_argument(
         "--no-warm",
@@ -265,12 +274,44 @@ def device_of(args) -> str:
 
 
 def weights_options(args) -> dict:
-    return dict(
-        weights=args.weights,
-        gguf=args.gguf,
-        quant_activations=args.quant_activations,
-        decode_step=args.decode_step,
-    )
+    """What --weights and --quant-activations resolve to (`resolve_weights`)."""
+    weights, activations = resolve_weights(args)
+    return dict(weights=weights, gguf=args.gguf, quant_activations=activations, decode_step=args.decode_step)
+
+
+def decode_capture(args, quantized: bool, on_cuda: bool) -> bool:
+    """Whether `serve` decodes through buckets, persistent inputs and recorded graphs: yes by
+    default, except on a CPU serving quantized weights, whose fused decode step is one native
+    call with nothing to record and measured faster on unpadded rows (README, "The default
+    path"); --capture and --no-capture say it outright."""
+    if args.capture:
+        return True
+    return not (args.no_capture or (quantized and not on_cuda))
+
+
+def resolve_weights(args) -> tuple[str | None, str]:
+    """(weights, activations) for EngineConfig. By default the fastest path `make lmeval` holds
+    correct: on a CPU, a model that comes as a GGUF (fetched by name, the default one included,
+    or --gguf FILE) is served from the file's own blocks with int8 activations (config.py's
+    DEFAULT_QUANT_ACTIVATIONS); a model directory, a GPU, bfloat16 and tensor parallelism keep the
+    dtype's unquantized weights."""
+    import os
+
+    from nanoserve.config import DEFAULT_QUANT_ACTIVATIONS
+    from nanoserve.fetch import DEFAULT_NAME, NAMED
+
+    weights = args.weights
+    if weights == "auto":
+        has_gguf = args.gguf is not None or args.model in (None, DEFAULT_NAME, *NAMED)
+        cpu = not device_of(args).startswith("cuda")
+        single = os.environ.get("WORLD_SIZE", "1") == "1"
+        weights = "gguf" if has_gguf and cpu and single and args.dtype == "float32" else None
+    elif weights == "dtype":
+        weights = None
+    activations = args.quant_activations
+    if activations == "auto":
+        activations = DEFAULT_QUANT_ACTIVATIONS if weights else "fp32"
+    return weights, activations
 
 
 def load(args):
@@ -407,13 +448,16 @@ def cmd_serve(args) -> None:
         raise NanoserveError(f"--port must be between 1 and 65535, got {args.port}")
     if not args.drain_timeout >= 0:
         raise NanoserveError(f"--drain-timeout must be 0 or more seconds, got {args.drain_timeout}")
-    capture = not args.no_capture
+    if args.capture and args.no_capture:
+        raise NanoserveError("--capture and --no-capture ask for opposite things; give one")
     try:
         max_body = parse_bytes(args.max_body_bytes)
         if max_body < 1:
             raise ValueError(f"--max-body-bytes must be at least 1 byte, got {args.max_body_bytes}")
         if args.max_score_entries is not None and args.max_score_entries < 1:
             raise ValueError(f"--max-score-entries must be at least 1, got {args.max_score_entries}")
+        weights = weights_options(args)
+        capture = decode_capture(args, weights["weights"] is not None, on_cuda)
         config = EngineConfig(
             model=args.model,
             dtype=DTYPES[args.dtype],
@@ -433,7 +477,7 @@ def cmd_serve(args) -> None:
             schedule=args.schedule,
             attention=args.attention,
             linear=args.linear,
-            **weights_options(args),
+            **weights,
             max_num_batched_tokens=args.max_num_batched_tokens,
             warm_max_rows=args.warm_max_rows,
             warm_max_width=args.warm_max_width

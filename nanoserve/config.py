@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What `nanoserve serve`/`chat`/`generate` give quantized weights when --quant-activations is not
+# given (cli.resolve_weights): int8, since `make lmeval` scores the default model served so
+# within the standard errors of its fp32 conversion's (evals/check.py, README "The default path").
+DEFAULT_QUANT_ACTIVATIONS = "int8"
+
 
 @dataclass
 class EngineConfig:

@@ -107,6 +107,11 @@ class Engine:
             budget_bytes=config.kv_budget,
             device=model.device.type,
         )
+        self.context_capped = None  # the model's own context, where the pool made it shorter
+        if config.max_model_len is None and self.pool.num_slots < self.max_model_len:
+            # not asked for: the longest context the pool holds (as a model whose own is shorter),
+            # said in the paths line; asked for explicitly, a context the pool cannot hold is refused
+            self.context_capped, self.max_model_len = self.max_model_len, self.pool.num_slots
         if self.pool.num_slots < self.max_model_len:
             raise ValueError(
                 f"the KV pool holds {self.pool.num_slots} tokens, fewer than max_model_len "
@@ -194,6 +199,11 @@ class Engine:
 
         linears, attention = f"linears {self.linear}", f"decode attention {self.cache.attention}"
         schedule = f"schedule {self.config.schedule}"
+        if self.context_capped is not None:  # the pool, not the model, sets the context
+            schedule += (
+                f", context {self.max_model_len:,} tokens (the KV pool's; the model's own is "
+                f"{self.context_capped:,}: --kv-budget raises it)"
+            )
         if self.model.weights in WEIGHTS or self.decode_step == "fused":
             weights, step = f"weights {describe_weights(self.model)}", f"decode step {self.decode_step}"
             return f"paths: {weights}, {linears}, {step}, {attention}, {schedule}"

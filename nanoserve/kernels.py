@@ -37,8 +37,12 @@ The kernels (csrc/, bound in module.cpp):
 * `quant_linear`, `dequantize`, `embed_rows` (quant.cpp): products over matrices held as a
   GGUF's Q4_1 or Q8_0 blocks, widened in registers (quant.py, day 60), and with int8
   activations over tiles of 16 rows with AVX512-VNNI where the build has it (`has_tiles`);
-* `fused_decode` (quant.cpp): a whole Llama decode step in one call, its glue in C++ instead of
-  ~70 torch ops a block (model.Llama.fused_decode, day 61).
+  the same three over a K-quant file's other types, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K
+  (kquant.cpp: fp32 activations bit for bit gguf's weights, int8 activations llama.cpp's Q8_0 and
+  Q8_K arithmetic, AVX2 with a portable fallback);
+* `fused_decode` (quant.cpp): a whole Llama or Qwen decode step in one call, its glue in C++
+  instead of ~70 torch ops a block (model.Llama.fused_decode, day 61); a matrix may be stacked
+  from parts of different types, and Qwen2's QKV biases and Qwen3's per-head norms ride along.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Weights as a GGUF file holds them: Q4_1 and Q8_0 blocks used in place (phase 6).
+"""Weights as a GGUF file holds them: Q4_1 and Q8_0 blocks used in place (phase 6), and the other
+types of K-quant files (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: csrc/kquant.cpp, days 63-64).
 
     w = QuantTensor.from_gguf(reader_tensor)      # the file's bytes, no fp32 copy
     w = QuantTensor.quantize(fp32_matrix, "q4_1") # or quantize a converted model at load
@@ -59,8 +60,8 @@ TILES_KINDS = {"q4_1": 5, "q8_0": 6}  # and in tiles
 LAYOUTS = ("gguf", "split", "tiles")
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK}
-# The K-quant files' other types (kquants.py): read with torch ops for now, in the file's layout,
-# fp32 activations only; the native kernels know Q4_1 and Q8_0.
+# The K-quant files' other types: kept in the file's layout, read by csrc/kquant.cpp (fp32 and
+# int8 activations; kquants.py decodes them with torch ops, the reference and the fallback).
 for _kind, (_values, _bytes) in kquants.BLOCKS.items():
     BLOCK_BYTES[_kind], BLOCK_VALUES[_kind] = _bytes, _values
 TILE = 16  # rows a tile
@@ -69,9 +70,11 @@ TILE_BLOCK_BYTES = {"q4_1": 20, "q8_0": 36}  # a row's block in tiles: Q8_0 adds
 # whatever types it holds them (a Q4_K_M file's mix), each as the file has it
 WEIGHTS = ("q4_1", "q8_0", "gguf")
 # What a quantized linear multiplies its blocks by. "fp32": x as it is, each block widened to fp32
-# in registers (the default: the dequantized model's numbers). "int8": each row of x quantized to
-# int8 per block of 32 (a scale per block) and the products integer multiply-adds, as llama.cpp
-# does with its Q8_1 activations: on an AVX2 CPU ~2/3 of the time a block in isolation and
+# in registers (the dequantized model's numbers; EngineConfig's default). "int8" (`nanoserve
+# serve`'s default, config.DEFAULT_QUANT_ACTIVATIONS, held to the fp32 model's scores by `make
+# lmeval`): each row of x quantized to int8, per 256 values (Q8_K) against the K types and per
+# block of 32 (a scale per block) against the others, and the products integer multiply-adds, as
+# llama.cpp does with its Q8_1 activations: on an AVX2 CPU ~2/3 of the time a block in isolation and
 # about the same in a whole decode step, where the weights' bytes dominate; on an AVX512-VNNI
 # CPU, over tiles (module doc), the fastest path here, ~2.3x the fp32 activations' decode rate.
 ACTIVATIONS = ("fp32", "int8")

@@ -125,7 +125,8 @@ def load_state_dict(
 
 def resolve_model_dir(model: str | Path | None, home: str | Path | None = None) -> Path:
     """The directory to load: the default model (fetched if needed) when `model` is None or
-    names it; a named model (`fetch.NAMED`, fetched and converted once) by its name; otherwise
+    names it; a named model (`fetch.NAMED`, fetched and converted once) by its name; a Hugging
+    Face repo id ("Qwen/Qwen3-0.6B") through huggingface_hub's cache (`hub_snapshot`); otherwise
     the directory `model` is."""
     from nanoserve.fetch import DEFAULT_NAME, NAMED
 
@@ -133,4 +134,36 @@ def resolve_model_dir(model: str | Path | None, home: str | Path | None = None) 
         return fetch_default_model(home)
     if str(model) in NAMED and not Path(model).exists():
         return check_model_dir(fetch_named_model(str(model), home))
+    if hub_id(model) and not Path(model).exists():
+        return check_model_dir(hub_snapshot(str(model)))
     return check_model_dir(model)
+
+
+def hub_id(model) -> bool:
+    """Whether `model` reads as a Hugging Face repo id, "org/name" (and is no path that exists)."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(model))) and not str(model).startswith(".")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """An HF repo's files through huggingface_hub's cache (`$HF_HUB_CACHE`, default
+    ~/.cache/huggingface/hub): the config, tokenizer and safetensors of its main revision,
+    downloaded where a network exists and none are cached; offline (`HF_HUB_OFFLINE=1`) only the
+    cache is read. A repo it cannot find is one sentence."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError:
+        raise NanoserveError(
+            f"{repo_id!r} reads as a Hugging Face repo id; install huggingface_hub to fetch it, or pass "
+            "a local directory"
+        ) from None
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "LICENSE*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        raise NanoserveError(
+            f"{repo_id} is neither a local directory nor a Hugging Face repo this machine can read "
+            f"({type(e).__name__}); with no network, only repos already in huggingface_hub's cache load"
+        ) from None

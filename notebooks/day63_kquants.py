@@ -24,7 +24,8 @@
 # today's example; the engine fetches it with `nanoserve.fetch.fetch_named_gguf`.
 #
 # `nanoserve.kquants` (new today) decodes Q4_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks with
-# torch ops, and `QuantTensor` keeps such matrices and widens them through it. This notebook
+# torch ops, and `QuantTensor` keeps such matrices and widens them through it (a later change
+# gives these types native kernels, `csrc/kquant.cpp`, held to `kquants` bit for bit). This notebook
 # reads the blocks a third way, with `struct` and integer arithmetic, one value at a time, and
 # holds all three (by hand, `kquants`, and `gguf`'s numpy decoding) to the same float32 bits.
 #
@@ -271,7 +272,7 @@ full4 = dequantize(data4, t4.tensor_type)  # (896, 4864)
 kquantbench.check_bit_equal(kquants.dequantize(torch.from_numpy(data4), "q4_k", full4.shape), full4, t4.name)
 q = QuantTensor.from_gguf(t4)
 kquantbench.check_bit_equal(q.dequantize(), full4, "QuantTensor")
-print(q, f"blocks {tuple(q.blocks.shape)}, native kernel: {q.native}")
+print(q, f"blocks {tuple(q.blocks.shape)}")
 print(f"{full4.size:,} values bit-equal to gguf's")
 
 # %% [markdown]

@@ -462,7 +462,7 @@ print(f"{len(prompt)} tokens")
 # The engine runs it as it runs SmolLM2: a paged KV pool (a small one here, a KV budget of 512
 # tokens' worth), the scheduler, and the default variants of the day (linears packed for oneDNN
 # where the CPU allows; the decode step as torch ops, since `decode_step="auto"` picks day 61's
-# fused native step only for quantized weights, and that step has no attention biases anyway).
+# fused native step only for quantized weights).
 # A greedy answer of 24 tokens:
 
 # %%

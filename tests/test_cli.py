@@ -117,7 +117,19 @@ def test_generate_serves_the_gguf_own_q4_1_weights(smollm_dir):
     is one sentence saying what it holds."""
     prompt = "Name the largest planet in the solar system."
     r = subprocess.run(
-        [sys.executable, "-m", "nanoserve", "generate", prompt, "--max-tokens", "12", "--weights", "q4_1"],
+        [
+            sys.executable,
+            "-m",
+            "nanoserve",
+            "generate",
+            prompt,
+            "--max-tokens",
+            "12",
+            "--weights",
+            "q4_1",
+            "--quant-activations",
+            "fp32",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -131,3 +143,31 @@ def test_generate_serves_the_gguf_own_q4_1_weights(smollm_dir):
     assert r.stdout == tok.decode([t for t in tokens if t not in tok.eos_ids]) + "\n"
     r = nanoserve("generate", prompt, "--weights", "q8_0")
     assert_one_line_error(r, "--weights q8_0", "holds them as q4_1")
+
+
+def test_the_default_path_is_the_gguf_with_int8_activations_on_a_cpu(monkeypatch, tmp_path):
+    """What --weights and --quant-activations resolve to when not given (cli.resolve_weights),
+    and when serve records decode graphs (cli.decode_capture): a model that comes as a GGUF is
+    served from its blocks with int8 activations and an eager fused step on a CPU; a directory,
+    bfloat16, a GPU or several ranks keep the dtype's weights (and the recorded graphs)."""
+    from nanoserve.cli import build_parser, decode_capture, resolve_weights
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def resolved(*argv):
+        args = build_parser().parse_args(["serve", "--device", "cpu", *argv])
+        w, acts = resolve_weights(args)
+        return w, acts, decode_capture(args, w is not None, on_cuda=False)
+
+    assert resolved() == ("gguf", "int8", False)
+    assert resolved("--model", "qwen2.5-coder-0.5b-instruct") == ("gguf", "int8", False)
+    assert resolved("--gguf", "x.gguf") == ("gguf", "int8", False)
+    assert resolved("--quant-activations", "fp32") == ("gguf", "fp32", False)
+    assert resolved("--capture") == ("gguf", "int8", True)
+    assert resolved("--weights", "q4_1") == ("q4_1", "int8", False)
+    assert resolved("--model", str(tmp_path)) == (None, "fp32", True)  # a directory: its fp32 weights
+    assert resolved("--weights", "dtype") == (None, "fp32", True)
+    assert resolved("--dtype", "bfloat16") == (None, "fp32", True)
+    assert resolved("--weights", "dtype", "--no-capture") == (None, "fp32", False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # tensor parallelism keeps the dtype's weights
+    assert resolved() == (None, "fp32", True)

@@ -88,7 +88,7 @@ def int8_reference(kind: str, blocks: np.ndarray, want: np.ndarray, x: np.ndarra
     return xv @ want.astype(np.float64).T
 
 
-@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 19])
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_int8_activations_are_llama_cpps_arithmetic(kind, m):
     rows, cols = 36, 512

@@ -269,3 +269,31 @@ def test_qwen_served_from_its_own_blocks_gives_the_conversions_tokens(qwen):
     ids = Tokenizer.from_dir(model_dir).encode_chat(CHAT)
     assert (prefill_logits(blocks, ids) - prefill_logits(fp32, ids)).abs().max().item() < 1e-3
     assert greedy_tokens(blocks, ids, 4) == greedy_tokens(fp32, ids, 4)
+
+
+def test_an_hf_repo_id_loads_from_huggingface_hubs_cache_offline(tmp_path, monkeypatch):
+    """`--model Org/Name`: the repo's snapshot in huggingface_hub's cache, laid out here as the
+    hub lays it out (refs/main naming the snapshot), read with the network off; a repo the
+    cache lacks is one sentence."""
+    import huggingface_hub.constants as hub
+
+    from nanoserve.weights import hub_id, resolve_model_dir
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--tiny-org--tiny-qwen3" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (cache / "models--tiny-org--tiny-qwen3" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-qwen3" / "refs" / "main").write_text(commit)
+    hf = make_tiny_qwen3_dir(snapshot, seed=9)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    assert hub_id("tiny-org/tiny-qwen3") and not hub_id("./models/x") and not hub_id("plain")
+    model_dir = resolve_model_dir("tiny-org/tiny-qwen3")
+    assert model_dir == snapshot
+    ids = list(range(3, 30))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (prefill_logits(load_model(model_dir), ids) - ref).abs().max().item() < 1e-4
+    with pytest.raises(NanoserveError, match="neither a local directory nor a Hugging Face repo"):
+        resolve_model_dir("tiny-org/not-cached")

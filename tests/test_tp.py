@@ -414,7 +414,19 @@ def test_a_rank_that_never_joins_fails_the_build_with_a_sentence(smollm_dir):
 
 
 QUESTION = "What is the capital of France?"
-GENERATE = ["-m", "nanoserve", "generate", QUESTION, "--max-tokens", "12", "--threads", "1"]
+# the fp32 model: what tensor parallelism serves (one process would serve the GGUF by default)
+GENERATE = [
+    "-m",
+    "nanoserve",
+    "generate",
+    QUESTION,
+    "--max-tokens",
+    "12",
+    "--threads",
+    "1",
+    "--weights",
+    "dtype",
+]
 
 
 @pytest.fixture(scope="module")
