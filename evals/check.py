@@ -14,6 +14,12 @@ unless both give the same accuracy, the same chosen answer for every question, e
 choice's log-likelihood within the tolerance of tests/test_scores.py (2e-3 per token, times
 the continuation's tokens), and the same generated text. It prints a table and writes
 evals/lmeval.csv.
+
+The server's default path serves the GGUF with int8 activations (README, "The default path"):
+other numbers than the fp32 model's, so there the check asks instead that each score be within
+the reference's standard error (lm-eval's, or sqrt(p (1 - p) / (n - 1)) where it gives "N/A"),
+and reports how many answers agree. That gate is what made int8 the default; `--serve-args
+"--quant-activations fp32"` serves the same file with fp32 activations and gets the strict check.
 """
 
 from __future__ import annotations
