@@ -209,7 +209,9 @@ def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: s
     model = load_gguf_model(gguf, LlamaConfig.from_dir(model_dir), weights, activations)
     rates, tokens, runs, engines = {}, {}, {}, {}
     for step in ("fused", "ops"):
-        eng = engines[step] = Engine(model, tok, EngineConfig(max_batch=1, decode_step=step))
+        eng = engines[step] = Engine(
+            model, tok, EngineConfig(max_batch=1, decode_step=step, fit_context=True)
+        )
         runs[step] = lambda n, e=eng: engine_tokens_of(e, prompt, n)
         rates[step], tokens[step] = decode_rate(runs[step], n_tokens, 3)
     ref_diff = first_difference(tokens["fused"], reference) if reference else "n/a"

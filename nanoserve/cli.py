@@ -327,6 +327,7 @@ def load(args):
         device=args.device,
         max_batch=1,
         max_model_len=args.max_model_len,
+        fit_context=True,  # without --max-model-len: what the KV pool holds, if shorter
         threads=args.threads,
         join_timeout=args.join_timeout,
         **weights_options(args),
@@ -464,6 +465,7 @@ def cmd_serve(args) -> None:
             device=args.device,
             max_batch=args.max_batch,
             max_model_len=args.max_model_len,
+            fit_context=True,  # without --max-model-len: what the KV pool holds, if shorter
             block_size=args.block_size,
             kv_budget=parse_bytes(args.kv_budget) if args.kv_budget else None,
             threads=args.threads,

@@ -21,6 +21,10 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     max_batch: int = 32  # rows: sequences running at once
     max_model_len: int | None = None  # None: the model's own context length
+    # with max_model_len None, a KV pool shorter than the model's context shortens the context to
+    # what the pool holds (the CLI's choice, said in the paths line) instead of refusing to start
+    # (the engine's own rule since day 16)
+    fit_context: bool = False
     block_size: int = 16  # tokens per KV block
     kv_budget: int | None = None  # bytes for the KV pool; None: pool.py's default for the device
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)

@@ -108,9 +108,9 @@ class Engine:
             device=model.device.type,
         )
         self.context_capped = None  # the model's own context, where the pool made it shorter
-        if config.max_model_len is None and self.pool.num_slots < self.max_model_len:
-            # not asked for: the longest context the pool holds (as a model whose own is shorter),
-            # said in the paths line; asked for explicitly, a context the pool cannot hold is refused
+        if config.fit_context and config.max_model_len is None and self.pool.num_slots < self.max_model_len:
+            # not asked for, and fitting asked for (the CLI does): the longest context the pool
+            # holds, said in the paths line; otherwise a context the pool cannot hold is refused
             self.context_capped, self.max_model_len = self.max_model_len, self.pool.num_slots
         if self.pool.num_slots < self.max_model_len:
             raise ValueError(

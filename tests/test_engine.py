@@ -458,3 +458,26 @@ def test_text_offsets_index_the_text_whatever_is_held_back(
     assert offsets == sorted(offsets) and all(o <= len(tok.decode(ids)) for o in offsets)
     if stop == ["\n\n"] and pieces[2] == "Bye":
         assert text == "Hi\nBye!" and offsets[:3] == [0, 2, 3]
+
+
+def test_a_pool_shorter_than_the_context_is_refused_unless_fitting_is_asked_for():
+    """The engine refuses a KV pool that cannot hold one request of the model's whole context
+    (day 16); with fit_context (what the CLI asks for when no --max-model-len is given) the
+    context becomes what the pool holds instead, and the paths line says so."""
+    from nanoserve.model import Llama, LlamaConfig
+    from tests.test_model import TINY
+
+    cfg = LlamaConfig.from_dict(TINY | dict(max_position_embeddings=4096))
+    model = Llama(cfg, device="meta")
+    budget = 64 * 1024  # bytes: far fewer tokens than 4096
+    with pytest.raises(ValueError, match="fewer than max_model_len 4096"):
+        Engine(model, None, EngineConfig(kv_budget=budget, linear="plain"))
+    eng = Engine(model, None, EngineConfig(kv_budget=budget, linear="plain", fit_context=True))
+    assert eng.max_model_len == eng.pool.num_slots < 4096
+    assert (
+        f"context {eng.max_model_len:,} tokens (the KV pool's; the model's own is 4,096" in eng.paths_line()
+    )
+    with pytest.raises(ValueError, match="fewer than max_model_len 4096"):  # asked for: refused
+        Engine(
+            model, None, EngineConfig(kv_budget=budget, linear="plain", fit_context=True, max_model_len=4096)
+        )  # noqa: E501
