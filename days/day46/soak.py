@@ -241,6 +241,8 @@ def soak(
         done.set()
         if watcher is not None:
             watcher.join()
+            # the idle reading last: the watcher's own last one may predate the idle state by 50 ms
+            trace.append((time.perf_counter() - t0, health["kv_blocks_used"]))
         ended = ended_by_reason(url)
         results.sort(key=lambda r: r["client"])
         try:
