@@ -669,20 +669,6 @@ void tile_rows(const XQ& xq, int64_t r0, const TileGroup* tg, int64_t cols, floa
 }
 #endif
 
-template <int MR, int MAX, typename F>
-inline void with_rows(int64_t size, int64_t r0, F& f) {
-  if constexpr (MR < MAX) {
-    if (size == MR) return f(r0, std::integral_constant<int, MR>{});
-    return with_rows<MR + 1, MAX>(size, r0, f);
-  } else {
-    f(r0, std::integral_constant<int, MAX>{});
-  }
-}
-
-template <int MAX, typename F>
-inline void in_row_groups(int64_t m, F f) {
-  for (int64_t r0 = 0; r0 < m; r0 += MAX) with_rows<1, MAX>(std::min<int64_t>(MAX, m - r0), r0, f);
-}
 #endif
 
 template <int64_t KIND>

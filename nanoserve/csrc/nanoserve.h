@@ -2,7 +2,9 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // paged_attention.cpp
@@ -41,3 +43,21 @@ int64_t kq_row_bytes(int64_t kind, int64_t cols);  // checks cols against the ki
 void kq_matmul(const float* x, int64_t m, const uint8_t* w, int64_t kind, int64_t rows, int64_t cols, float* y,
                int64_t ldy, bool int8);
 void kq_row_floats(const uint8_t* row, int64_t kind, int64_t cols, float* out);
+
+// quant.cpp and kquant.cpp: f(r0, MR) for the rows of x in groups of up to MAX, r0 the group's
+// first row, MR its size as a compile-time constant (std::integral_constant), so each kernel is
+// instantiated per group size.
+template <int MR, int MAX, typename F>
+inline void with_rows(int64_t size, int64_t r0, F& f) {
+  if constexpr (MR < MAX) {
+    if (size == MR) return f(r0, std::integral_constant<int, MR>{});
+    return with_rows<MR + 1, MAX>(size, r0, f);
+  } else {
+    f(r0, std::integral_constant<int, MAX>{});
+  }
+}
+
+template <int MAX, typename F>
+inline void in_row_groups(int64_t m, F f) {
+  for (int64_t r0 = 0; r0 < m; r0 += MAX) with_rows<1, MAX>(std::min<int64_t>(MAX, m - r0), r0, f);
+}

@@ -64,22 +64,6 @@ inline bool is_q4(int64_t kind) { return kind == 1 || kind == 3 || kind == 5; }
 inline bool is_tiles(int64_t kind) { return kind >= 5; }
 inline int64_t tile_count(int64_t rows) { return (rows + TILE - 1) / TILE; }
 
-// f(r0, MR) for the rows of x in groups of up to MAX: r0 the group's first row, MR its size as a
-// compile-time constant (std::integral_constant), so each kernel is instantiated per group size.
-template <int MR, int MAX, typename F>
-inline void with_rows(int64_t size, int64_t r0, F& f) {
-  if constexpr (MR < MAX) {
-    if (size == MR) return f(r0, std::integral_constant<int, MR>{});
-    return with_rows<MR + 1, MAX>(size, r0, f);
-  } else {
-    f(r0, std::integral_constant<int, MAX>{});
-  }
-}
-
-template <int MAX, typename F>
-inline void in_row_groups(int64_t m, F f) {
-  for (int64_t r0 = 0; r0 < m; r0 += MAX) with_rows<1, MAX>(std::min<int64_t>(MAX, m - r0), r0, f);
-}
 // bytes a block of one row takes (tiles: 2 more for Q8_0's code sums)
 inline int64_t block_bytes(int64_t kind) {
   return kind == 0 ? QK * 4 : is_q4(kind) ? 20 : kind == 6 ? 36 : 34;
