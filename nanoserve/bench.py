@@ -93,7 +93,7 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> tuple[di
     from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
     from nanoserve.generate import greedy_tokens
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
@@ -200,8 +200,7 @@ def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: s
     ops, their tokens against each other and against the fp32 reference's."""
     from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
-    from nanoserve.model import LlamaConfig, model_weight_bytes
-    from nanoserve.quant import load_gguf_model
+    from nanoserve.models import LlamaConfig, load_gguf_model, model_weight_bytes
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
@@ -352,7 +351,7 @@ def cmd_throughput(args) -> None:
     import transformers
 
     from nanoserve.config import EngineConfig
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import resolve_model_dir
 
@@ -405,7 +404,7 @@ def cmd_throughput(args) -> None:
 
 def cmd_admission(args) -> None:
     from nanoserve.config import EngineConfig
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.pool import parse_bytes
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import resolve_model_dir
@@ -505,7 +504,7 @@ def cmd_decode(args) -> None:
         )
     if args.quant and reference is None:  # the fp32 model's greedy tokens, the q4_1/fp32 rows' reference
         from nanoserve.generate import greedy_tokens
-        from nanoserve.model import load_model
+        from nanoserve.models import load_model
         from nanoserve.tokenizer import Tokenizer
 
         prompt = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": DECODE_PROMPT}])
@@ -816,7 +815,7 @@ def cmd_tp(args) -> None:
     """Memory a rank holds under tensor parallelism against one process: weights and KV pool."""
     from nanoserve.config import EngineConfig
     from nanoserve.engine import build_engine
-    from nanoserve.model import LlamaConfig, model_weight_bytes
+    from nanoserve.models import LlamaConfig, model_weight_bytes
     from nanoserve.tp import allowed_ranks, pool_bytes
     from nanoserve.weights import resolve_model_dir
 

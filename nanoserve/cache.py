@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 
 ATTENTION = ("auto", "native", "gather")
 

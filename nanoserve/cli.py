@@ -93,7 +93,7 @@ def build_parser() -> Parser:
     )
     p.add_argument("--home", type=Path, default=None, help="cache folder (default: $NANOSERVE_HOME)")
 
-    p = sub.add_parser("import-gguf", help="convert a llama-architecture GGUF file into a model directory")
+    p = sub.add_parser("import-gguf", help="convert a GGUF file (llama, qwen2, qwen3) into a model directory")
     p.add_argument("path", type=Path)
     p.add_argument("--out", type=Path, default=None, help="output directory (default: next to the file)")
 

@@ -51,7 +51,7 @@ def write_csv(rows: list[dict], path: str | Path) -> Path:
 
 def tiny_config(max_position_embeddings: int = 512):
     """The day scripts' tiny Llama: 2 layers, hidden 64, 4 heads (2 KV, head dim 16), vocab 256."""
-    from nanoserve.model import LlamaConfig
+    from nanoserve.models import LlamaConfig
 
     return LlamaConfig(
         vocab_size=256,
@@ -69,7 +69,7 @@ def tiny_llama(seed: int = 0, std: float = 0.05, max_position_embeddings: int = 
     """`tiny_config`'s model with every weight drawn from N(0, std) after seeding torch."""
     import torch
 
-    from nanoserve.model import Llama
+    from nanoserve.models import Llama
 
     torch.manual_seed(seed)
     model = Llama(tiny_config(max_position_embeddings))

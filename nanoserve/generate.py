@@ -17,7 +17,7 @@ import torch
 
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.errors import NanoserveError
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams, sample
 
 

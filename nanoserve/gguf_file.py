@@ -1,14 +1,16 @@
 """Reading a GGUF file (day 2): its config, tokenizer and tensors, and converting it.
 
-`import_gguf` turns a llama- or qwen2-architecture GGUF into the directory layout transformers uses:
+`import_gguf` turns a GGUF of a family nanoserve runs (llama, qwen2, qwen3) into the directory
+layout transformers uses:
 
     config.json  model.safetensors  tokenizer.json  tokenizer_config.json
     chat_template.jinja  generation_config.json
 
 so that one loader (`weights.load_state_dict`) and one tokenizer (`tokenizer.py`) serve both our
 converted files and any Llama checkpoint downloaded from the Hub. Dequantizing is left to the
-`gguf` package; what a tensor means once it has Hugging Face's name is `model.py`'s business.
-The same reading (`_open_gguf`, `hf_name`, `unpermute_rotary_rows`) serves `quant.py`, which
+`gguf` package; what a tensor means once it has Hugging Face's name is its family's business
+(`nanoserve.models`, whose registry also says which architectures a file may name). The same
+reading (`_open_gguf`, `hf_name`, `unpermute_rotary_rows`) serves `models/loader.py`, which
 keeps the quantized tensors as the file holds them instead of converting them.
 """
 
@@ -141,30 +143,30 @@ def _llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> di
     raise NanoserveError("the GGUF's rope_freqs are not Llama 3 RoPE scaling; nanoserve cannot run it.")
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+def gguf_family(reader):
+    """The registered family (`models.registry`) of the file's `general.architecture`; a
+    NanoserveError naming the ones nanoserve runs otherwise."""
+    from nanoserve.models.registry import family
+
+    return family(_field(reader, "general.architecture"), "the GGUF's architecture")
 
 
 def gguf_architecture(reader) -> str:
     """The file's `general.architecture`, if nanoserve runs it; otherwise a NanoserveError."""
-    arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise NanoserveError(
-            f"the GGUF's architecture is {arch!r}; nanoserve imports "
-            f"{', '.join(map(repr, ARCHITECTURES))} GGUFs."
-        )
-    return arch
+    return gguf_family(reader).name
 
 
 def rotary_rows_permuted(reader) -> bool:
     """Whether llama.cpp's converter reordered the file's Q/K rows (`unpermute_rotary_rows`): it
     does for 'llama', whose Hugging Face checkpoints rotate halves while llama.cpp's llama graph
     rotates pairs; a 'qwen2' or 'qwen3' file is run with the halves' rotation (NEOX) and kept
-    as it was."""
-    return gguf_architecture(reader) == "llama"
+    as it was (`Family.gguf_rotary_permuted`)."""
+    return gguf_family(reader).gguf_rotary_permuted
 
 
 def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
-    arch = gguf_architecture(reader)
+    fam = gguf_family(reader)
+    arch = fam.name
 
     def get(key, default=None):
         value = _field(reader, f"{arch}.{key}", default)
@@ -179,7 +181,7 @@ def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
     # The embedding's rows are the model's vocabulary, which may exceed the tokenizer's (padding).
     vocab = shapes.get("token_embd.weight", [len(_field(reader, "tokenizer.ggml.tokens") or [])])[0]
     config = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [fam.hf_architecture],
         "model_type": arch,
         "vocab_size": int(get("vocab_size", vocab)),
         "hidden_size": hidden,
@@ -278,7 +280,7 @@ def _generation_config(reader, config: dict) -> dict:
 def import_gguf(
     gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32, progress=None
 ) -> Path:
-    """Convert a llama-architecture GGUF into a Hugging Face-layout directory at `out_dir`.
+    """Convert a GGUF of a family nanoserve runs into a Hugging Face-layout directory at `out_dir`.
 
     Everything is written into a temporary sibling that is renamed into place at the end, so an
     interrupted conversion never leaves a directory that looks finished.

@@ -21,7 +21,7 @@ from decimal import Decimal
 
 import torch
 
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 
 DEFAULT_CPU_BUDGET = 512 * 2**20  # bytes; CPU memory is not queried, so a fixed, modest default
 

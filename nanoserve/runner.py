@@ -22,7 +22,7 @@ import torch
 
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.capture import CudaGraph, HostGraph
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.plan import StepPlan, plan_decode, plan_decode_bucketed, plan_prefill
 from nanoserve.scheduler import Batch, Sequence
 

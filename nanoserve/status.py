@@ -18,7 +18,8 @@ import time
 
 from nanoserve.engine import Engine
 from nanoserve.loop import EngineLoop
-from nanoserve.quant import WEIGHTS, describe_weights, weight_types
+from nanoserve.models import describe_weights, weight_types
+from nanoserve.quant import WEIGHTS
 
 
 class ServerState:
@@ -41,7 +42,7 @@ def pool_dict(engine: Engine) -> dict:
 
 def paths_dict(engine: Engine) -> dict:
     """What the weights are and which way each part of a step runs (engine.paths_line)."""
-    from nanoserve.model import model_weight_bytes
+    from nanoserve.models import model_weight_bytes
 
     model = engine.model
     quantized = model.weights in WEIGHTS

@@ -421,7 +421,7 @@ def watch_for_break(store, rank: int, done: threading.Event, poll=1.0, grace=BRE
 
 
 def _weight_bytes(model) -> int:
-    from nanoserve.model import model_weight_bytes
+    from nanoserve.models import model_weight_bytes
 
     return model_weight_bytes(model)
 
@@ -453,7 +453,7 @@ def init(device: torch.device, join_timeout: float = JOIN_TIMEOUT) -> tuple[int,
 
 def shard(full, rank: int, world: int):
     """A `Llama` holding rank's share of `full` (module doc); its `tp` is set by `load_share`."""
-    from nanoserve.model import Llama
+    from nanoserve.models import Llama
 
     cfg = full.cfg
     check_split(cfg, world)
@@ -518,7 +518,7 @@ def engine_config(config):
 def load_share(config, model_dir, device: torch.device):
     """Join the group, load the model and keep this rank's share: (model, TP). The whole model is
     read once per rank and dropped after the split."""
-    from nanoserve.model import LlamaConfig, load_model
+    from nanoserve.models import LlamaConfig, load_model
 
     rank, world = launched() or (0, 1)
     check_split(LlamaConfig.from_dir(model_dir), world)  # before anyone waits on anyone
@@ -540,7 +540,7 @@ def load_share(config, model_dir, device: torch.device):
 def run_worker(config) -> None:
     """A rank other than 0: load its share, follow rank 0's plans until it stops."""
     from nanoserve.cache import BatchedPagedKVCache
-    from nanoserve.model import pack_linears
+    from nanoserve.models import pack_linears
     from nanoserve.weights import resolve_model_dir
 
     config = engine_config(config.validate())

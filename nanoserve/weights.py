@@ -41,10 +41,6 @@ from nanoserve.gguf_file import (  # noqa: F401 -- re-exported
 
 # --- loading a Hugging Face-layout directory ---
 
-# Qwen2: a Llama with biases on Q, K and V; Qwen3: with an RMSNorm on each query and key head
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
@@ -71,18 +67,20 @@ def load_config(path: str | Path) -> dict:
 
 
 def check_model_dir(path: str | Path) -> Path:
-    """`path` as a Path if it is a Llama-family (or Qwen2) model directory; otherwise a
-    NanoserveError saying why."""
+    """`path` as a Path if it is a model directory of a family nanoserve runs
+    (`models.registry.FAMILIES`); otherwise a NanoserveError saying why."""
+    from nanoserve.models.registry import FAMILIES
+
     path = Path(path).expanduser()
     if not path.is_dir():
         raise NanoserveError(f"the model directory {path} does not exist; pass a directory or omit --model.")
     config = load_config(path)
     kind = config.get("model_type")
     archs = config.get("architectures") or []
-    if kind not in LLAMA_TYPES or not all(a in ARCHITECTURES for a in archs):
+    if kind not in FAMILIES or archs and archs != [FAMILIES[kind].hf_architecture]:
         raise NanoserveError(
             f"{path} holds a {kind or 'untyped'} model ({', '.join(archs) or 'no architectures'}); "
-            "nanoserve runs Llama-family, Qwen2 and Qwen3 models only."
+            f"nanoserve runs the families {', '.join(FAMILIES)} only."
         )
     window, context = config.get("sliding_window"), config.get("max_position_embeddings")
     if window is not None and config.get("use_sliding_window", True) and not (context and window >= context):

@@ -18,11 +18,11 @@
 #
 # The forward pass starts with two small operations. The embedding turns each token id into a
 # row of 576 numbers, and RMSNorm rescales a hidden state to unit root-mean-square before every
-# attention block, every MLP and the LM head. Neither has many lines in `nanoserve.model`
+# attention block, every MLP and the LM head. Neither has many lines in `nanoserve.models`
 # (`self.embed[input_ids]` and `rms_norm`), and both decide numbers every later day inherits.
 #
 # 1. the lookup as a row gather of the embedding matrix, which is also the LM head (tied),
-# 2. RMSNorm written by hand on a real hidden state, against `nanoserve.model.rms_norm` and
+# 2. RMSNorm written by hand on a real hidden state, against `nanoserve.models.rms_norm` and
 #    transformers' `LlamaRMSNorm` holding the real layer's weight,
 # 3. what the norm does to the residual stream, massive activation included,
 # 4. what epsilon does, and when it matters,
@@ -53,7 +53,7 @@ from IPython.display import Image, display
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import linear, load_model, rms_norm
+from nanoserve.models import linear, load_model, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict
 
@@ -62,7 +62,7 @@ import norms  # the day's script: the notebook prints the same table it writes
 
 MODEL_DIR = fetch_default_model()
 tok = Tokenizer.from_dir(MODEL_DIR)
-ours = load_model(MODEL_DIR)  # nanoserve.model.Llama, fp32
+ours = load_model(MODEL_DIR)  # nanoserve.models.Llama, fp32
 sd = load_state_dict(MODEL_DIR)  # the same tensors under transformers' names
 cfg = ours.cfg
 EPS = cfg.rms_norm_eps
@@ -152,7 +152,7 @@ for layer in (0, 15):
     assert torch.equal(ref_module.weight, w)
     mine, package, theirs = hand_rms_norm(x, w, EPS), rms_norm(x, w, EPS), ref_module(x)
     print(f"block {layer}: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(mine.shape)}")
-    check_norm_close(mine, package, "  hand vs nanoserve.model.rms_norm")
+    check_norm_close(mine, package, "  hand vs nanoserve.models.rms_norm")
     check_norm_close(mine, theirs, "  hand vs transformers' LlamaRMSNorm")
 
 # %% [markdown]

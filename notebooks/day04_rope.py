@@ -21,7 +21,7 @@
 # each head's 64 coordinates form 32 pairs, and at position `m` pair `i` is turned by the angle
 # `m * theta_i`, a different speed for every pair. Nothing is added to the hidden state and no
 # parameter is learned; the rotation is applied to Q and K after their projections, inside
-# every block (`nanoserve.model.rope_tables` and `apply_rope`).
+# every block (`nanoserve.models.rope_tables` and `apply_rope`).
 #
 # 1. one pair rotated by hand, then whole heads, against the package and transformers,
 # 2. the frequencies, by hand against both,
@@ -54,7 +54,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import LlamaConfig, apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
+from nanoserve.models import LlamaConfig, apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict, unpermute_rotary_rows
 

@@ -24,7 +24,7 @@
 # 1. the SwiGLU MLP, by hand, against transformers' `LlamaMLP` on layer 0's weights,
 # 2. fusing: one QKV matmul instead of three, one gate/up matmul instead of two,
 # 3. a whole block by hand, every intermediate with its shape,
-# 4. the same block three more ways: our `nanoserve.model.Block`, and transformers'
+# 4. the same block three more ways: our `nanoserve.models.Block`, and transformers'
 #    `LlamaDecoderLayer` with the rotary tables and the causal mask it wants handed in,
 # 5. the gate failing on two blocks built wrong (no causal mask; gate and up swapped),
 # 6. where a block's parameters and FLOPs go (`days/day06/blockcost.py`), and the diagram.
@@ -54,7 +54,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from nanoserve.contiguous import NoCache
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import apply_rope, load_model, rms_norm
+from nanoserve.models import apply_rope, load_model, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict
 
@@ -65,7 +65,7 @@ torch.set_grad_enabled(False)
 MODEL_DIR = fetch_default_model()
 tok = Tokenizer.from_dir(MODEL_DIR)
 t0 = time.perf_counter()
-ours = load_model(MODEL_DIR)  # nanoserve.model.Llama, fp32
+ours = load_model(MODEL_DIR)  # nanoserve.models.Llama, fp32
 sd = load_state_dict(MODEL_DIR)
 w = blockcost.layer_weights(sd, layer=0)  # layer 0's tensors under transformers' names
 print(f"loaded in {time.perf_counter() - t0:.1f} s")

@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Day 7 — The whole forward against the reference
 #
-# Days 3 to 6 built the pieces of `nanoserve.model` one at a time: embeddings and RMSNorm,
+# Days 3 to 6 built the pieces of `nanoserve.models` one at a time: embeddings and RMSNorm,
 # rotary positions, grouped-query attention, the SwiGLU MLP and the decoder block. Today the
 # thirty blocks run end to end, and the whole is held to an outside reference: transformers'
 # `LlamaForCausalLM`, loaded in fp32 from the same converted directory.
@@ -51,7 +51,7 @@ from IPython.display import Image, display
 
 from nanoserve.course import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, unpermute_rotary_rows
 
@@ -61,7 +61,7 @@ import parity  # the day's script: the notebook prints the same table it writes
 MODEL_DIR = fetch_default_model()
 tok = Tokenizer.from_dir(MODEL_DIR)
 t0 = time.perf_counter()
-ours = load_model(MODEL_DIR)  # nanoserve.model.Llama, fp32
+ours = load_model(MODEL_DIR)  # nanoserve.models.Llama, fp32
 t1 = time.perf_counter()
 hf = parity.load_reference(MODEL_DIR)  # transformers.LlamaForCausalLM, fp32
 t2 = time.perf_counter()

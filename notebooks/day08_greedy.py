@@ -47,7 +47,7 @@ from IPython.display import Image, display
 from nanoserve.contiguous import NoCache
 from nanoserve.course import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model
 

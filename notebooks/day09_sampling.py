@@ -46,7 +46,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SAMPLING_EPS, SamplingParams, filter_logits, sample, sample_rows
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model

@@ -52,7 +52,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.generate import decode_loop
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.stopping import StopStrings, first_stop
 from nanoserve.tokenizer import REPLACEMENT, Tokenizer

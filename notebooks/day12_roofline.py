@@ -28,7 +28,7 @@
 # 2. this machine: its CPU, and its read bandwidth at 1 and 2 threads,
 # 3. the roofline, and the decode rate measured against it, fp32 and bf16, 1 and 2 threads
 #    (`days/day12/roofline.py`),
-# 4. the two claims in `nanoserve.model.linear`'s docstring, checked,
+# 4. the two claims in `nanoserve.models.linear`'s docstring, checked,
 # 5. the tables and the diagram.
 #
 # The counts are facts and nbval compares them. Every rate and time is this run's, on a shared
@@ -48,7 +48,7 @@ from IPython.display import Image, display
 
 from nanoserve.bench import cpu_line, read_bandwidth_gbs
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import BF16_UPCAST_ROWS, load_model
+from nanoserve.models import BF16_UPCAST_ROWS, load_model
 from nanoserve.weights import fetch_default_model
 
 sys.path.insert(0, str(REPO / "days" / "day12"))
@@ -231,7 +231,7 @@ for r in committed:
 #
 # ## 4. The claims in `linear`'s docstring
 #
-# `nanoserve.model.linear` does two unusual things on CPU, and its docstring says why with
+# `nanoserve.models.linear` does two unusual things on CPU, and its docstring says why with
 # numbers that Day 12 is meant to measure:
 #
 # * in fp32 with two or more threads it splits the output features into one slab per thread and

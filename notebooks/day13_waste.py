@@ -55,7 +55,7 @@ from IPython.display import Image, display
 from nanoserve.blocks import BlockAllocator, BlockTable
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import REPO, diagram_path, tiny_llama
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.weights import fetch_default_model
 
 sys.path.insert(0, str(REPO / "days" / "day13"))

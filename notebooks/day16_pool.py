@@ -54,7 +54,7 @@ from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.models import Llama, LlamaConfig
 from nanoserve.pool import DEFAULT_CPU_BUDGET, KVPoolPlan, parse_bytes, plan_pool
 from nanoserve.weights import fetch_default_model
 

@@ -60,7 +60,7 @@ from nanoserve.contiguous import NoCache
 from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model

@@ -59,7 +59,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.plan import plan_decode, plan_prefill
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer

@@ -58,7 +58,7 @@ from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.plan import check_plan_addressing, check_window_intact, plan_decode
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer

@@ -53,7 +53,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.plan import PrefillPlan, StepPlan, check_plan_addressing, check_window_intact
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer

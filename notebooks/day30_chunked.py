@@ -58,7 +58,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler
 from nanoserve.tokenizer import Tokenizer

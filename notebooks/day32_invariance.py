@@ -52,7 +52,7 @@ from IPython.display import Image, display
 
 from nanoserve.bench import cpu_line
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import linear, rms_norm
+from nanoserve.models import linear, rms_norm
 
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, imported by the tests' imports
 sys.path.insert(0, str(REPO / "days" / "day32"))
@@ -107,7 +107,7 @@ print(
 #
 # ## 2. Where the movement comes from
 #
-# `nanoserve.model.linear` is every linear layer of the model. The same input row, multiplied
+# `nanoserve.models.linear` is every linear layer of the model. The same input row, multiplied
 # by the same weights, alone and as row 0 of a product over M rows: one row goes to a
 # matrix-vector routine, several rows to a matrix-matrix routine that blocks the sums
 # differently. The tiny model's head (256 x 64) and a matrix of SmolLM2's hidden size (576):
@@ -369,7 +369,7 @@ for name, diffs in row_diff.items():
 ax.set_yscale("log")
 ax.set_xlabel("rows in the product (M)")
 ax.set_ylabel("row 0's max difference from row 0 alone (0 drawn at 1e-9)")
-ax.set_title("nanoserve.model.linear: one row alone and among M", fontsize=10)
+ax.set_title("nanoserve.models.linear: one row alone and among M", fontsize=10)
 ax.legend(fontsize=8)
 
 ax = axes[1][0]

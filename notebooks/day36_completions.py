@@ -59,7 +59,7 @@ from IPython.display import Image, display
 from nanoserve.api import CompletionRequest
 from nanoserve.bench import cpu_line
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model
 

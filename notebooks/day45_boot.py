@@ -60,7 +60,7 @@ from nanoserve.cli import main as cli_main
 from nanoserve.config import EngineConfig
 from nanoserve.course import REPO, ServerThread, diagram_path
 from nanoserve.engine import Engine, build_engine
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.models import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app
 from nanoserve.tokenizer import Tokenizer

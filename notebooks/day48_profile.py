@@ -49,7 +49,7 @@ from IPython.display import Image, display
 from nanoserve.bench import read_bandwidth_gbs
 from nanoserve.course import REPO, diagram_path
 from nanoserve.errors import GateError
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.weights import fetch_default_model
 
 warnings.filterwarnings("ignore", message=".*record_function.*")
@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "days" / "day48"))
 import profile_step as ps  # the day's script: the notebook prints the table it writes
 
 t0 = time.perf_counter()
-model = load_model(fetch_default_model())  # nanoserve.model.Llama, fp32, CPU
+model = load_model(fetch_default_model())  # nanoserve.models.Llama, fp32, CPU
 print(f"loaded in {time.perf_counter() - t0:.1f} s; threads: {torch.get_num_threads()}")
 cfg = model.cfg
 

@@ -51,7 +51,7 @@ from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.inputs import PersistentInputs
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model

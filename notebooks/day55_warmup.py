@@ -59,7 +59,7 @@ from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.inputs import PersistentInputs
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.plan import check_mapping_is_window, check_plan_addressing, check_window_intact, plan_decode
 from nanoserve.sampling import SamplingParams
 from nanoserve.slots import SlotTable

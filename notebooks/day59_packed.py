@@ -63,7 +63,7 @@ from nanoserve.course import REPO, diagram_path, tiny_config
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.kernels import native
-from nanoserve.model import Llama, linear, load_model, pack_linears, packing_status
+from nanoserve.models import Llama, linear, load_model, pack_linears, packing_status
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model

@@ -63,8 +63,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
-from nanoserve.model import LlamaConfig, load_model, model_weight_bytes, rms_norm
-from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows, load_gguf_model
+from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes, rms_norm
+from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_gguf, fetch_default_model

@@ -52,8 +52,7 @@ from IPython.display import Image, display
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import NoCache
 from nanoserve.course import REPO, diagram_path
-from nanoserve.model import load_model, model_weight_bytes
-from nanoserve.quant import describe_weights, quantize_model
+from nanoserve.models import describe_weights, load_model, model_weight_bytes, quantize_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model

@@ -71,7 +71,7 @@ from nanoserve.contiguous import ContiguousKVCache, causal_attention
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import build_engine
 from nanoserve.errors import NanoserveError
-from nanoserve.model import LlamaConfig, apply_rope, linear, load_model, model_weight_bytes, rms_norm
+from nanoserve.models import LlamaConfig, apply_rope, linear, load_model, model_weight_bytes, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model
 

@@ -69,7 +69,7 @@ from nanoserve.contiguous import ContiguousKVCache, causal_attention
 from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.fetch import fetch_default_gguf, fetch_default_model, fetch_named_gguf, fetch_named_model
-from nanoserve.model import LlamaConfig, apply_rope, linear, load_model, model_weight_bytes, rms_norm
+from nanoserve.models import LlamaConfig, apply_rope, linear, load_model, model_weight_bytes, rms_norm
 from nanoserve.sampling import SamplingParams
 from nanoserve.status import boot_line
 from nanoserve.tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT, Tokenizer

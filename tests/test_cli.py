@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer
 
 

@@ -18,7 +18,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import packing_status
+from nanoserve.models import packing_status
 from nanoserve.sampling import SamplingParams
 from tests.test_model import make_tiny_dir, ours_from_dir
 
@@ -348,7 +348,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_model):
 
 @pytest.mark.slow
 def test_batch_invariance_smollm(smollm_dir):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     model, tok = load_model(smollm_dir), Tokenizer.from_dir(smollm_dir)
@@ -374,7 +374,7 @@ def test_batch_invariance_smollm(smollm_dir):
 
 @pytest.mark.slow
 def test_engine_generate_on_smollm(smollm_dir):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     model, tok = load_model(smollm_dir), Tokenizer.from_dir(smollm_dir)
@@ -464,7 +464,7 @@ def test_a_pool_shorter_than_the_context_is_refused_unless_fitting_is_asked_for(
     """The engine refuses a KV pool that cannot hold one request of the model's whole context
     (day 16); with fit_context (what the CLI asks for when no --max-model-len is given) the
     context becomes what the pool holds instead, and the paths line says so."""
-    from nanoserve.model import Llama, LlamaConfig
+    from nanoserve.models import Llama, LlamaConfig
     from tests.test_model import TINY
 
     cfg = LlamaConfig.from_dict(TINY | dict(max_position_embeddings=4096))

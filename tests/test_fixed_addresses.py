@@ -113,7 +113,7 @@ def test_a_zero_length_row_yields_zeros_not_nan(tiny_model):  # noqa: F811
 
 @pytest.mark.slow
 def test_smollm_bucketed_persistent_captured_decode_matches_eager(smollm_dir):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     model, tok = load_model(smollm_dir), Tokenizer.from_dir(smollm_dir)
@@ -241,7 +241,7 @@ def test_table_budget_and_coverage_gates(tiny_model):  # noqa: F811
 )
 def test_cuda_graphs_give_eager_tokens(tiny_model):  # noqa: F811
     from nanoserve.capture import CudaGraph
-    from nanoserve.model import Llama
+    from nanoserve.models import Llama
     from nanoserve.warmup import check_no_cold_captures
 
     gpu = Llama(tiny_model.cfg, device="cuda")

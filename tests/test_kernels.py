@@ -11,7 +11,7 @@ import torch
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.course import tiny_config
 from nanoserve.kernels import native, native_status
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 
 needs_native = pytest.mark.skipif(native() is None, reason=f"the native kernel is {native_status()}")
 

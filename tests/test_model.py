@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from nanoserve.contiguous import ContiguousKVCache, NoCache
 from nanoserve.errors import NanoserveError
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import Llama, LlamaConfig, load_model, pack_linears, packing_status, rope_inv_freq
+from nanoserve.models import Llama, LlamaConfig, load_model, pack_linears, packing_status, rope_inv_freq
 
 TINY = dict(
     vocab_size=256,

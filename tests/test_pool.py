@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.pool import DEFAULT_CPU_BUDGET, KVPoolPlan, parse_bytes, plan_pool
 
 # SmolLM2-135M's shape

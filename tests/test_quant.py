@@ -25,8 +25,8 @@ from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
 from nanoserve.generate import greedy_tokens
 from nanoserve.kernels import native, native_status
-from nanoserve.model import LlamaConfig, load_model, model_weight_bytes
-from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows, load_gguf_model, quantize_model
+from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes, quantize_model
+from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows
 from nanoserve.sampling import SamplingParams
 from tests.test_engine import check_same_or_near_tie
 from tests.test_model import prefill_logits
@@ -308,7 +308,7 @@ def test_engine_config_refuses_quantized_combinations_it_does_not_run():
     ]:
         with pytest.raises(ValueError, match=msg):
             EngineConfig(**kw).validate()
-    from nanoserve.quant import load_quantized
+    from nanoserve.models import load_quantized
 
     with pytest.raises(ValueError, match="runs on the CPU kernels"):
         load_quantized(EngineConfig(weights="q4_1", device="cuda"), None)
@@ -435,7 +435,7 @@ def test_smollm_int8_activations_in_either_layout_give_llama_servers_tokens(smol
     step equal or parting at an int8 near-tie (INT8_TIE)."""
     import csv
 
-    from nanoserve.quant import MATRICES, _set
+    from nanoserve.models.loader import MATRICES, _set
     from nanoserve.tokenizer import Tokenizer
     from tests.test_engine import top2_gap
 

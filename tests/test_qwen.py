@@ -15,7 +15,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from tests.test_model import TINY, make_tiny_checkpoint, prefill_logits
 
@@ -178,7 +178,7 @@ def test_tiny_qwen3_matches_transformers_and_its_norms_count(tmp_path):
 
 def test_an_unknown_family_is_refused_with_a_sentence(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}')
-    with pytest.raises(NanoserveError, match="runs Llama-family, Qwen2 and Qwen3 models only"):
+    with pytest.raises(NanoserveError, match="runs the families llama, mistral, qwen2, qwen3 only"):
         load_model(tmp_path)
 
 
@@ -253,8 +253,8 @@ def test_qwen_served_from_its_own_blocks_gives_the_conversions_tokens(qwen):
     """--weights gguf: the file's Q5_0, Q8_0, Q4_K and Q6_K matrices kept as blocks (a layer
     whose V is Q8_0 and its Q, K Q5_0 keeps them as one RowStack), widened by kquants.py each
     call. The logits are the fp32 conversion's up to the order of sums, and so are the tokens."""
-    from nanoserve.model import LlamaConfig
-    from nanoserve.quant import RowStack, describe_weights, load_gguf_model
+    from nanoserve.models import LlamaConfig, describe_weights, load_gguf_model
+    from nanoserve.quant import RowStack
     from nanoserve.tokenizer import Tokenizer
 
     model_dir, gguf, _, _ = qwen

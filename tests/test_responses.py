@@ -117,7 +117,7 @@ def test_a_streamed_choice_keeps_nothing_it_has_sent(tiny_engine, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm_server(smollm_dir):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm_dir)

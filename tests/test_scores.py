@@ -208,7 +208,7 @@ def test_bad_score_params_are_sentences():
 
 @pytest.fixture(scope="module")
 def real(smollm_dir):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     ours = load_model(smollm_dir)

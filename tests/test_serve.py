@@ -33,7 +33,7 @@ MAX_BATCH = 8
 
 @pytest.fixture(scope="module")
 def smollm(smollm_dir):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     return load_model(smollm_dir), Tokenizer.from_dir(smollm_dir)

@@ -32,7 +32,7 @@ from nanoserve import tp
 from nanoserve.config import EngineConfig
 from nanoserve.engine import build_engine
 from nanoserve.errors import NanoserveError
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from tests.test_engine import check_same_or_near_tie, random_requests
 from tests.test_faults import free_port
 from tests.test_model import make_tiny_dir, ours_from_dir
@@ -300,7 +300,7 @@ def test_an_error_on_rank_0_mid_forward_ends_the_loop_and_the_workers_exit(tiny_
 
 
 def test_three_ranks_give_the_default_models_tokens(smollm_dir, tmp_path):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm_dir)

@@ -33,7 +33,7 @@ import torch
 
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import write_csv
-from nanoserve.model import Llama, load_model, rms_norm
+from nanoserve.models import Llama, load_model, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir
 

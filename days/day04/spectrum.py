@@ -3,7 +3,7 @@
 RoPE rotates each pair of coordinates of a query or key head, (i, i + head_dim/2), by the angle
 position x inv_freq[i], with inv_freq[i] = theta^(-2i/head_dim). A pair's wavelength,
 2 pi / inv_freq[i], is how many positions one full turn takes. For each pair the CSV records
-its frequency and wavelength as the package computes them (`nanoserve.model.rope_inv_freq`, in
+its frequency and wavelength as the package computes them (`nanoserve.models.rope_inv_freq`, in
 fp32), how many turns it makes over the model's context, and what Llama-3 scaling
 (`rope_type: llama3`) would do to it with the given parameters: the band the pair falls in
 (`high`: wavelength below original_context / high_freq_factor, kept; `low`: above
@@ -27,7 +27,7 @@ import math
 from pathlib import Path
 
 from nanoserve.course import write_csv
-from nanoserve.model import LlamaConfig, rope_inv_freq
+from nanoserve.models import LlamaConfig, rope_inv_freq
 from nanoserve.weights import resolve_model_dir
 
 HERE = Path(__file__).resolve().parent

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.course import write_csv
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.weights import resolve_model_dir
 
 HERE = Path(__file__).resolve().parent

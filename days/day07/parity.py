@@ -23,7 +23,7 @@ import torch
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import Llama, load_model
+from nanoserve.models import Llama, load_model
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir
 

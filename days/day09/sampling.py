@@ -30,7 +30,7 @@ import torch
 from nanoserve.contiguous import NoCache
 from nanoserve.course import write_csv
 from nanoserve.generate import decode_loop
-from nanoserve.model import Llama, load_model
+from nanoserve.models import Llama, load_model
 from nanoserve.sampling import SamplingParams, filter_logits, sample
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from nanoserve.course import write_csv
 from nanoserve.generate import decode_loop
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.stopping import StopStrings, first_stop
 from nanoserve.tokenizer import REPLACEMENT, Tokenizer

@@ -29,7 +29,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache, NoCache
 from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import Llama, load_model
+from nanoserve.models import Llama, load_model
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir
 

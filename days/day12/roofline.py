@@ -11,7 +11,7 @@ For each (dtype, threads) this script measures:
 * the decode rate of the eager greedy loop with prefill removed (`nanoserve.bench.decode_rate`:
   (n - 1) / (t(n) - t(1))), and the fraction of the roofline it reaches.
 
-A second table times `nanoserve.model.linear` against plain `F.linear` on the model's own
+A second table times `nanoserve.models.linear` against plain `F.linear` on the model's own
 matrices, to check the two claims in `linear`'s docstring: the per-thread slabs in fp32 (one row
 and eight rows), and bf16 on a CPU without bf16 matrix instructions (the GEMM rate, and where
 widening to fp32 starts to pay, `BF16_UPCAST_ROWS`).
@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve import model as nm
 from nanoserve.bench import DECODE_PROMPT, cpu_line, decode_rate, read_bandwidth_gbs
 from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import Llama, load_model
+from nanoserve.models import Llama, load_model
+from nanoserve.models import llama as nm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.course import write_csv
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.pool import dtype_name, parse_bytes, plan_pool
 from nanoserve.weights import resolve_model_dir
 

@@ -37,7 +37,7 @@ from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import tiny_llama, write_csv
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.plan import plan_decode, plan_prefill
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Sequence

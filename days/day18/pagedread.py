@@ -39,7 +39,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import write_csv
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.plan import slot_window
 
 HERE = Path(__file__).resolve().parent

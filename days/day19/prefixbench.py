@@ -33,7 +33,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.course import write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir

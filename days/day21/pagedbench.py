@@ -39,7 +39,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.weights import resolve_model_dir
 

@@ -38,7 +38,7 @@ from nanoserve.contiguous import NoCache
 from nanoserve.course import tiny_config, write_csv
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent

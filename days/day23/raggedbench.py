@@ -38,7 +38,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.course import tiny_llama, write_csv
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.plan import plan_prefill
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Sequence

@@ -34,7 +34,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import load_model
+from nanoserve.models import load_model
 from nanoserve.plan import check_plan_addressing, check_window_intact
 from nanoserve.sampling import SamplingParams
 from nanoserve.weights import resolve_model_dir

@@ -308,7 +308,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-model", action="store_true", help="only the model-free tables (tight, sweep)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import fetch_default_model
 

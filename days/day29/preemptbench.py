@@ -239,7 +239,7 @@ def tiny_runs(model):
 
 
 def smol_runs(threads: int):
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import fetch_default_model
 

@@ -331,7 +331,7 @@ def main(argv=None) -> None:
     for row in sums + starve:
         print("  ", row)
     if not args.skip_smollm:
-        from nanoserve.model import load_model
+        from nanoserve.models import load_model
         from nanoserve.tokenizer import Tokenizer
         from nanoserve.weights import fetch_default_model
 

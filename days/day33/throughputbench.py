@@ -38,7 +38,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import LlamaConfig, load_model
+from nanoserve.models import LlamaConfig, load_model
 from nanoserve.pool import DEFAULT_CPU_BUDGET, plan_pool
 from nanoserve.sampling import SamplingParams
 from nanoserve.weights import fetch_default_model

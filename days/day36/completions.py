@@ -239,7 +239,7 @@ def batching_table(url: str, engine, tokenizer, questions=QUESTIONS) -> list[dic
 
 def main() -> None:
     from nanoserve.bench import cpu_line
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import fetch_default_model
 

@@ -150,7 +150,7 @@ def answer_row(url: str, tokenizer, name: str, messages, max_tokens: int) -> dic
 
 def main() -> None:
     from nanoserve.bench import cpu_line
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import fetch_default_model
 

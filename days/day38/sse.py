@@ -183,7 +183,7 @@ def summarize(route: str, max_tokens: int, chunks, whole: httpx.Response, whole_
 
 def main() -> None:
     from nanoserve.bench import cpu_line
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import fetch_default_model
 

@@ -37,7 +37,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.course import ServerThread, tiny_config, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app
 

@@ -32,7 +32,7 @@ from torch.profiler import record_function
 
 import nanoserve.cache
 import nanoserve.engine
-import nanoserve.model
+import nanoserve.models.llama
 from nanoserve.config import EngineConfig
 from nanoserve.course import cpu_profile, write_csv
 from nanoserve.engine import Engine
@@ -156,11 +156,11 @@ def stage_labels(engine: Engine, names: dict[int, str] | None = None):
         return wrapper
 
     with (
-        _patched(nanoserve.model, "linear", linear),
-        _patched(nanoserve.model, "rms_norm", _labelled("norm")),
-        _patched(nanoserve.model, "apply_rope", _labelled("rope")),
-        _patched(nanoserve.model.Block, "forward", _labelled("block")),
-        _patched(nanoserve.model.Llama, "forward", _labelled("model")),
+        _patched(nanoserve.models.llama, "linear", linear),
+        _patched(nanoserve.models.llama, "rms_norm", _labelled("norm")),
+        _patched(nanoserve.models.llama, "apply_rope", _labelled("rope")),
+        _patched(nanoserve.models.llama.Block, "forward", _labelled("block")),
+        _patched(nanoserve.models.llama.Llama, "forward", _labelled("model")),
         _patched(nanoserve.cache.BatchedCacheRows, "write", _labelled("kv_write")),
         _patched(nanoserve.cache.BatchedCacheRows, "attention", _labelled("attention")),
         _patched(nanoserve.engine, SAMPLER, _labelled("sampling")),
@@ -421,7 +421,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(CSV), help="CSV to write")
     args = p.parse_args(argv)
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.weights import resolve_model_dir
 
     if args.threads:

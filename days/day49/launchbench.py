@@ -29,7 +29,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.course import cpu_profile, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
-from nanoserve.model import Llama, LlamaConfig
+from nanoserve.models import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -70,7 +70,7 @@ BLOCK = 16
 def make_model(name: str, model_dir=None, seed: int = 0) -> Llama:
     """The default model with its weights, or a random-weight Llama of the named shape."""
     if SHAPES[name] is None:
-        from nanoserve.model import load_model
+        from nanoserve.models import load_model
         from nanoserve.weights import resolve_model_dir
 
         return load_model(resolve_model_dir(model_dir))

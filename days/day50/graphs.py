@@ -38,7 +38,7 @@ from nanoserve.capture import HostGraph, ReplayError
 from nanoserve.config import EngineConfig
 from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent

@@ -36,7 +36,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent

@@ -29,7 +29,7 @@ from nanoserve.buckets import row_buckets
 from nanoserve.config import EngineConfig
 from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import Llama
+from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
 from nanoserve.warmup import lazy_captures, stall_seconds, warm_shapes, warmup_seconds, width_ceiling
 

@@ -240,7 +240,7 @@ def main(argv=None) -> None:
     ap.add_argument("--every", type=int, default=10, help="steps between newcomers")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.tokenizer import Tokenizer
     from nanoserve.weights import fetch_default_model
 

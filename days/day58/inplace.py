@@ -34,7 +34,7 @@ import torch
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.course import write_csv
-from nanoserve.model import LlamaConfig
+from nanoserve.models import LlamaConfig
 from nanoserve.plan import slot_window
 
 HERE = Path(__file__).resolve().parent
@@ -248,7 +248,7 @@ def step_times(eng, reps: int) -> dict:
 
 def step_table(contexts=(128, 512, 1024), reps: int = 4, model=None) -> tuple[list[dict], list[dict]]:
     """(the step table, the profile table of the widest context)."""
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.weights import fetch_default_model
 
     if model is None:

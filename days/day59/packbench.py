@@ -21,7 +21,7 @@ Five CSVs, next to this file:
   one with `linear="packed"`, over the same prompts, their steps alternating: decode steps at
   two contexts, and mixed steps (15 decode rows plus a 128-token prompt chunk). Each step's time
   is split into the blocks' linears, the head, attention and the rest by clocks wrapped around
-  `nanoserve.model.linear` and the cache's `paged_attention` (this script's, for measuring).
+  `nanoserve.models.linear` and the cache's `paged_attention` (this script's, for measuring).
 * `day-59-profile.csv`: `torch.profiler`'s top ops by self time in one decode step of each.
 
     python days/day59/packbench.py --portable         # what the committed CSVs come from
@@ -48,7 +48,7 @@ import torch
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.course import cpu_profile, write_csv
-from nanoserve.model import LlamaConfig, pack_linears
+from nanoserve.models import LlamaConfig, pack_linears
 from nanoserve.plan import slot_window
 
 HERE = Path(__file__).resolve().parent
@@ -138,7 +138,7 @@ def step_weights(layers: int = LAYERS, seed: int = 0):
 
 def linear_pass(blocks, head, inputs) -> tuple[float, float]:
     """Seconds for every block matrix in layer order, then for the head, through `linear`."""
-    from nanoserve.model import linear
+    from nanoserve.models import linear
 
     t0 = time.perf_counter()
     for layer in blocks:
@@ -213,7 +213,7 @@ def threads_table(thread_counts=(1, 2), calls: int = 30, reps: int = 4) -> list[
     (3072 x 576), plain and packed, every call timed alone, `reps` passes over all 30. Two
     threads split a call in two; on a shared machine a call's parallel region can also wait for
     the second thread to be scheduled, which shows in the slow tail (p90, max)."""
-    from nanoserve.model import linear
+    from nanoserve.models import linear
 
     g = torch.Generator().manual_seed(1)
     plain = [torch.randn(2 * INTER, HIDDEN, generator=g) * 0.02 for _ in range(calls)]
@@ -411,9 +411,9 @@ def prefilled_engines(models: dict, lens, steps: int, tok=None, seed: int = 0) -
 @contextmanager
 def component_clock(eng, into: dict):
     """While active, add the seconds spent in the blocks' linears, the head and attention to
-    `into` by wrapping `nanoserve.model.linear` (the head is the matrix with a row per vocabulary
+    `into` by wrapping `nanoserve.models.linear` (the head is the matrix with a row per vocabulary
     entry) and this engine's `cache.paged_attention`."""
-    import nanoserve.model as m
+    import nanoserve.models.llama as m
 
     inner_linear, inner_attention = m.linear, eng.cache.paged_attention
     vocab = eng.model.cfg.vocab_size
@@ -517,7 +517,7 @@ def step_row(step, widest, tokens, kind, t, plain_ms) -> dict:
 
 def step_table(contexts=(64, 256), reps: int = 6, prompt_len: int = 128, model=None):
     """(the step table, the profile table at the widest context)."""
-    from nanoserve.model import load_model
+    from nanoserve.models import load_model
     from nanoserve.weights import fetch_default_model
 
     model = model if model is not None else load_model(fetch_default_model())

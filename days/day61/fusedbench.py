@@ -32,8 +32,7 @@ from nanoserve.bench import cpu_line, read_bandwidth_gbs
 from nanoserve.config import EngineConfig
 from nanoserve.course import write_csv
 from nanoserve.engine import Engine
-from nanoserve.model import LlamaConfig, load_model, model_weight_bytes
-from nanoserve.quant import load_gguf_model
+from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_gguf, fetch_default_model

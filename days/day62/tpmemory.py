@@ -29,7 +29,7 @@ from nanoserve.bench import cpu_line, tp_generate
 from nanoserve.config import EngineConfig
 from nanoserve.course import write_csv
 from nanoserve.engine import build_engine
-from nanoserve.model import model_weight_bytes
+from nanoserve.models import model_weight_bytes
 from nanoserve.tp import pool_bytes
 
 HERE = Path(__file__).resolve().parent

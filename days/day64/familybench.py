@@ -40,7 +40,7 @@ from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.course import write_csv
 from nanoserve.fetch import fetch_default_model, fetch_named_model
-from nanoserve.model import load_model, model_weight_bytes
+from nanoserve.models import load_model, model_weight_bytes
 from nanoserve.tokenizer import Tokenizer
 
 HERE = Path(__file__).resolve().parent

@@ -1,13 +1,12 @@
-"""The Llama family's forward pass, written out (days 3-7).
-
-Holds `LlamaConfig` (read from a Hugging Face `config.json`), the pieces of a decoder block
-(RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU MLP) and `Llama`, which runs
-them over a flat batch of tokens.
+"""The Llama family (days 3-7): `LlamaConfig`, the decoder `Block` and `Llama`, which runs the
+blocks over a flat batch of tokens. Mistral's checkpoints are this family too, and so are the
+families written as a Llama with a change (`qwen.py`: Qwen2's Q/K/V biases, Qwen3's per-head
+Q/K norms), which set the config's switches and reuse this forward.
 
 What it deliberately does not hold: any K/V storage. Attention hands its keys and values to a
 cache object and asks the same object for the attention output, so a contiguous cache (day 11)
 and the paged, batched cache (days 17-24) drop in without the model changing. The protocol is
-two methods:
+two methods (`layers.KVCache`):
 
     cache.write(layer, k, v)        # k, v: (N, kv_heads, head_dim) for the N tokens of this step
     cache.attention(layer, q)       # q: (N, heads, head_dim) -> (N, heads, head_dim)
@@ -23,23 +22,17 @@ rotary tables in fp32, logits in fp32), which is what lets the tests hold us to 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.errors import NanoserveError
-from nanoserve.quant import QuantTensor, RowStack
-
-
-class KVCache(Protocol):
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
-    def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor: ...
-
+from nanoserve.models.layers import KVCache, apply_rope, linear, rms_norm, rope_tables
+from nanoserve.models.registry import Family, family, register
+from nanoserve.quant import QuantTensor, RowStack, weight_bytes
 
 # --- configuration ---------------------------------------------------------------------------
 
@@ -58,30 +51,30 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     rope_scaling: dict | None = None
-    # biases: Qwen2 adds one to Q, K and V (not O); a Llama with attention_bias to all four
+    # a family's switches (`Family.switches`): biases (Qwen2 adds one to Q, K and V, not O; a
+    # Llama with attention_bias to all four), and Qwen3's RMSNorm over each head's query and key
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key before the rotation
-    family: str = "llama"  # config.json's model_type: llama, mistral, qwen2 or qwen3
+    qk_norm: bool = False
+    family: str = "llama"  # the registry's name for config.json's model_type (`registry.FAMILIES`)
 
     @classmethod
     def from_dict(cls, d: dict) -> LlamaConfig:
+        """The config of a Hugging Face `config.json`, its family's switches set by the family
+        its `model_type` names (`registry.family`; none means llama)."""
         # transformers 5 writes rope settings under `rope_parameters`; older files use
         # `rope_theta` and `rope_scaling`. Read both.
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        heads = d["num_attention_heads"]
-        kind = d.get("model_type")
-        qwen2 = kind == "qwen2"  # transformers' Qwen2Attention: q, k, v biased, o not
-        # Qwen3Attention's biases follow attention_bias (all four, false in Qwen3's releases), as Llama's
-        llama_bias = bool(d.get("attention_bias", False)) and not qwen2
+        heads = d.get("num_attention_heads")
+        fam = family(d.get("model_type") or "llama")
         try:
             return cls(
                 vocab_size=d["vocab_size"],
                 hidden_size=d["hidden_size"],
                 intermediate_size=d["intermediate_size"],
                 num_layers=d["num_hidden_layers"],
-                num_heads=heads,
+                num_heads=d["num_attention_heads"],
                 num_kv_heads=d.get("num_key_value_heads") or heads,
                 head_dim=d.get("head_dim") or d["hidden_size"] // heads,
                 rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
@@ -89,14 +82,12 @@ class LlamaConfig:
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 rope_scaling=scaling,
-                qkv_bias=qwen2 or llama_bias,
-                o_bias=llama_bias,
-                qk_norm=kind == "qwen3",
-                family=kind or "llama",
+                family=fam.name,
+                **fam.switches(d),
             )
         except KeyError as e:
             raise NanoserveError(
-                f"config.json lacks the field {e.args[0]!r} that a Llama model needs"
+                f"config.json lacks the field {e.args[0]!r} that a {fam.name} model needs"
             ) from None
 
     @classmethod
@@ -106,148 +97,6 @@ class LlamaConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
-
-
-# --- building blocks -------------------------------------------------------------------------
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for x (M, in), w (out, in).
-
-    Two CPU facts shape this (Day 12 measures both):
-
-    * In fp32 on a multi-core CPU the output features are split into one slab per thread and
-      run as a batched matmul: MKL's own GEMV/GEMM on these tall, thin shapes keeps one core
-      streaming the weights, while `bmm` hands each core its own slab. On 2 cores over the
-      SmolLM2-135M shapes: 14 -> 23 GB/s at M=1, and 66 -> 46 ms a step at M=8.
-    * A CPU without bf16 matrix instructions (AVX2 parts) emulates a bf16 GEMM at ~20 GFLOP/s
-      against ~140 for fp32. One row is bandwidth-bound, so bf16's halved bytes win there;
-      from `BF16_UPCAST_ROWS` rows on, the weights are widened to fp32 for the product and the
-      result rounded back to bf16, which is what a bf16 GEMM does inside anyway (fp32 sums).
-    * A weight `pack_linears` has reordered for oneDNN goes straight to oneDNN's GEMM, which
-      beats both of the above from a few rows up (the engine's default on CPU, phase 6).
-    """
-    if isinstance(w, QuantTensor):  # a GGUF's blocks (quant.py)
-        return w.linear(x)
-    if x.device.type != "cpu":
-        return F.linear(x, w)
-    if w.is_mkldnn:  # prepacked by `pack_linears`
-        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    if w.dtype == torch.bfloat16 and x.shape[0] >= BF16_UPCAST_ROWS and not _CPU_HAS_BF16:
-        return linear(x.float(), w.float()).to(torch.bfloat16)
-    parts = torch.get_num_threads()
-    if w.dtype != torch.float32 or parts < 2 or w.shape[0] % parts:
-        return F.linear(x, w)
-    m, out = x.shape[0], w.shape[0]
-    slabs = w.view(parts, out // parts, w.shape[1]).transpose(1, 2)  # (P, in, out/P)
-    y = torch.bmm(x.unsqueeze(0).expand(parts, -1, -1), slabs)  # (P, M, out/P)
-    return y.transpose(0, 1).reshape(m, out)
-
-
-BF16_UPCAST_ROWS = 4
-_CPU_HAS_BF16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-LINEAR = ("auto", "packed", "plain")
-
-
-def packing_status(dtype: torch.dtype, device) -> str | None:
-    """None when `pack_linears` can pack weights of this dtype on this device, else why not."""
-    kind = torch.device(device).type
-    if kind != "cpu":
-        return f"packed weights are oneDNN's CPU layout; on {kind} the linears stay plain"
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn), which packed weights need"
-    if dtype == torch.bfloat16 and not _CPU_HAS_BF16:
-        return (
-            f"oneDNN packs bf16 weights only on a CPU with bf16 instructions (avx512_bf16, "
-            f"amx or avx_ne_convert); this one is {torch.backends.cpu.get_cpu_capability()}"
-        )
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"packed weights are fp32 or bf16, not {dtype}"
-    return None
-
-
-def pack_linears(model: Llama, rows: int = 16) -> int:
-    """Reorder every block's four matrices and the head into oneDNN's blocked layout, once.
-
-    `linear` then runs each through oneDNN with the weight already in the order its GEMM reads
-    it, instead of re-laying tiles out on every call. Measured on 2 AVX2 cores over
-    SmolLM2-135M's 30 blocks and head with the weights cold in cache, as a decode step finds
-    them: 95 -> 82 ms at 16 rows, 233 -> 174 ms at 64; the head alone at 16 rows 27 -> 14 ms.
-    `rows` is the row count the layout is tuned for (the engine passes max_batch); any count
-    runs. The sums come in another order, so results differ from the plain path by float
-    rounding (~1e-4 on logits), not more.
-
-    In place and one way: afterwards the matrices are opaque oneDNN tensors (`is_mkldnn`),
-    which only `linear` reads; the embedding stays a plain tensor, so a tied head gets a packed
-    copy of its own (the one extra: vocab x hidden). Returns the count of matrices packed
-    (0 if already packed)."""
-    why = packing_status(model.dtype, model.device)
-    if why is not None:
-        raise ValueError(why)
-    if model.head.is_mkldnn:
-        return 0
-    pack = lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)  # noqa: E731
-    for b in model.blocks:
-        for name in ("qkv", "o", "gate_up", "down"):
-            w = getattr(b, name)
-            delattr(b, name)  # a Parameter: replaced by a plain (opaque) tensor attribute
-            setattr(b, name, pack(w))
-    head = model.head
-    if "head" in model._parameters:
-        delattr(model, "head")
-    model.head = pack(head)
-    return 4 * len(model.blocks) + 1
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight, the mean taken in fp32 whatever the model's dtype.
-
-    transformers normalizes in fp32, casts back, then scales by the weight in the model's dtype;
-    here it is one call to torch's `rms_norm` (on CPU, torch 2.13 still runs it as about two
-    dozen aten ops inside: day 48 counts them; a fused kernel is a GPU matter).
-    """
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
-
-
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """The rotary frequencies, (head_dim/2,), with Llama-3 scaling applied when configured."""
-    inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
-    )
-    s = cfg.rope_scaling
-    if not s or s.get("rope_type", s.get("type")) in (None, "default"):
-        return inv_freq
-    if s.get("rope_type", s.get("type")) != "llama3":
-        raise NanoserveError(
-            f"rope scaling {s.get('rope_type', s.get('type'))!r} is not supported (default, llama3)"
-        )
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_tables(cfg: LlamaConfig, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, each (max_positions, head_dim), in fp32."""
-    inv_freq = rope_inv_freq(cfg)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd): halves, not interleaved pairs
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (N, heads, hd) by per-token angles; cos, sin are (N, 1, hd) in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 # --- the model ---------------------------------------------------------------------------------
@@ -516,8 +365,6 @@ class Llama(nn.Module):
 
 def model_weight_bytes(model: Llama) -> int:
     """Bytes the model's weights occupy (a tied head counted once), quantized or not."""
-    from nanoserve.quant import weight_bytes
-
     seen, total = set(), 0
     ws = [model.embed, model.head, model.norm]
     for b in model.blocks:
@@ -530,12 +377,13 @@ def model_weight_bytes(model: Llama) -> int:
     return total
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Llama:
-    """Build a `Llama` from an HF-layout directory (config.json + safetensors)."""
-    from nanoserve.weights import check_model_dir, load_state_dict
+def _llama_switches(d: dict) -> dict:
+    # LlamaAttention's biases follow attention_bias, all four of them (false in Meta's releases)
+    bias = bool(d.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias}
 
-    model_dir = check_model_dir(model_dir)
-    cfg = LlamaConfig.from_dir(model_dir)
-    model = Llama(cfg, dtype=dtype, device=device)
-    model.load_hf_state_dict(load_state_dict(model_dir, dtype=dtype, device=device))
-    return model.eval()
+
+LLAMA = register(Family("llama", "LlamaForCausalLM", Llama, _llama_switches, gguf_rotary_permuted=True))
+# Mistral's checkpoints are a Llama's; one whose layers attend to a sliding window narrower than
+# its context (Mistral 7B v0.1) is refused by `weights.check_model_dir`
+MISTRAL = register(Family("mistral", "MistralForCausalLM", Llama, _llama_switches, gguf_rotary_permuted=True))
