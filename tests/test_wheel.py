@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import nanoserve
 from nanoserve.kernels import build_location, native, native_status
 from nanoserve.quant import QuantTensor, dequantize_torch
+import nanoserve.models  # a subpackage: the wheel must carry it too
 
 ext = native()
 report = {"file": nanoserve.__file__, "status": native_status(), "name": build_location()[0]}
@@ -88,6 +89,8 @@ def test_a_wheel_installed_elsewhere_runs_the_native_kernels(tmp_path):
     )
     (wheel,) = wheels.glob("nanoserve-*.whl")
     assert {f"nanoserve/csrc/{f}" for f in CSRC} <= set(zipfile.ZipFile(wheel).namelist())
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "nanoserve").rglob("*.py")}
+    assert modules <= set(zipfile.ZipFile(wheel).namelist()), modules - set(zipfile.ZipFile(wheel).namelist())
 
     # a fresh venv: the wheel installed in it, torch & co. seen through a .pth, the checkout not
     venv = tmp_path / "venv"
