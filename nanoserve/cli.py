@@ -328,6 +328,7 @@ def load(args):
         max_batch=1,
         max_model_len=args.max_model_len,
         fit_context=True,  # without --max-model-len: what the KV pool holds, if shorter
+        keep_freed_memory=True,  # malloc.py: a prefill step's pages not faulted in again
         threads=args.threads,
         join_timeout=args.join_timeout,
         **weights_options(args),
@@ -466,6 +467,7 @@ def cmd_serve(args) -> None:
             max_batch=args.max_batch,
             max_model_len=args.max_model_len,
             fit_context=True,  # without --max-model-len: what the KV pool holds, if shorter
+            keep_freed_memory=True,  # malloc.py: a prefill step's pages not faulted in again
             block_size=args.block_size,
             kv_budget=parse_bytes(args.kv_budget) if args.kv_budget else None,
             threads=args.threads,

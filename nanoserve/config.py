@@ -59,6 +59,9 @@ class EngineConfig:
     # vLLM's 1%: 1% of a CPU pool of ~100 blocks rounds to nothing (bench admission measures it)
     watermark: float | None = 0.05
     threads: int | None = None  # CPU threads for torch; None: leave torch's default
+    # on a CPU, glibc keeps the memory a step frees for the next step instead of handing it back
+    # and faulting it in again (malloc.py; a process-wide setting, like threads): the CLI's choice
+    keep_freed_memory: bool = False
     # decode at fixed addresses (days 51-53): pad each decode batch to a (rows, width) bucket,
     # addressed through the slot table; with persist_inputs, through buffers written in place
     bucket_decode: bool = False

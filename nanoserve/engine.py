@@ -162,6 +162,7 @@ class Engine:
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
         self.warm_report = None  # a WarmupReport once warm_decode has run
         self.model_name = "model"  # what the server calls it; build_engine uses the directory's name
+        self.malloc = None  # what build_engine's keep_freed_memory did (malloc.py), when asked
 
     @staticmethod
     def _pack(model, config: EngineConfig) -> str:
@@ -205,6 +206,8 @@ class Engine:
                 f", context {self.max_model_len:,} tokens (the KV pool's; the model's own is "
                 f"{self.context_capped:,}: --kv-budget raises it)"
             )
+        if self.malloc is not None:  # build_engine with config.keep_freed_memory (the CLI's)
+            schedule += ", freed memory kept" if self.malloc == "kept" else f", malloc as is: {self.malloc}"
         if self.model.weights in WEIGHTS or self.decode_step == "fused":
             weights, step = f"weights {describe_weights(self.model)}", f"decode step {self.decode_step}"
             return f"paths: {weights}, {linears}, {step}, {attention}, {schedule}"
@@ -527,6 +530,11 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    malloc = None
+    if config.keep_freed_memory and torch.device(device).type == "cpu":
+        from nanoserve.malloc import keep_freed_memory
+
+        malloc = keep_freed_memory()
     model_dir = resolve_model_dir(config.model)
     tp = None
     if launched():  # one rank of several (torchrun): this is rank 0's engine (tp.py)
@@ -553,6 +561,7 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
             tp.fail_setup(str(e))
         raise
     engine.model_name = model_dir.name
+    engine.malloc = malloc
     print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
     print(engine.paths_line(), file=sys.stderr)
     if tp is not None:

@@ -137,6 +137,10 @@ def test_generate_serves_the_gguf_own_q4_1_weights(smollm_dir):
     )
     assert r.returncode == 0, r.stderr
     assert "paths: weights q4_1 (fp32 activations), 96.6 MB, linears q4_1, decode step fused" in r.stderr
+    from nanoserve.malloc import keep_freed_memory
+
+    if keep_freed_memory() == "kept":  # glibc: the CLI keeps freed memory (malloc.py), and says so
+        assert "schedule budget, freed memory kept" in r.stderr
     tok = Tokenizer.from_dir(smollm_dir)
     ids = tok.encode_chat([{"role": "user", "content": prompt}])
     tokens = greedy_tokens(load_model(smollm_dir), ids, 12, eos_ids=tok.eos_ids)

@@ -251,7 +251,8 @@ def test_a_model_is_named_by_its_fetch_name(qwen):
 
 def test_qwen_served_from_its_own_blocks_gives_the_conversions_tokens(qwen):
     """--weights gguf: the file's Q5_0, Q8_0, Q4_K and Q6_K matrices kept as blocks (a layer
-    whose V is Q8_0 and its Q, K Q5_0 keeps them as one RowStack), widened by kquants.py each
+    whose V is Q8_0 and its Q, K Q5_0 keeps them as one RowStack of two parts: Q and K, one
+    Q5_0 matrix, then V), widened by kquants.py each
     call. The logits are the fp32 conversion's up to the order of sums, and so are the tokens."""
     from nanoserve.models import LlamaConfig, describe_weights, load_gguf_model
     from nanoserve.quant import RowStack
@@ -261,7 +262,8 @@ def test_qwen_served_from_its_own_blocks_gives_the_conversions_tokens(qwen):
     blocks = load_gguf_model(gguf, LlamaConfig.from_dir(model_dir), "gguf")
     assert blocks.weight_kinds == ["q4_k", "q5_0", "q6_k", "q8_0"]
     stacked = [b.qkv for b in blocks.blocks if isinstance(b.qkv, RowStack)]
-    assert len(stacked) == 12 and stacked[0].kinds == ["q5_0", "q5_0", "q8_0"]
+    assert len(stacked) == 12 and stacked[0].kinds == ["q5_0", "q8_0"]
+    assert [tuple(p.shape) for p in stacked[0].parts] == [(896 + 128, 896), (128, 896)]
     assert describe_weights(blocks).startswith("gguf q4_k+q5_0+q6_k+q8_0 (fp32 activations), 4")
     assert blocks.fused_status() is None
 

@@ -128,16 +128,24 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
         kinds = {p.kind if isinstance(p, QuantTensor) else "f32" for p in parts}
         if kinds == {"f32"}:
             return torch.cat(parts).contiguous()
-        if len(kinds) > 1:
-            if weights != "gguf" or "f32" in kinds:
-                raise NanoserveError(
-                    f"{Path(path).name} stores the parts of {what} in different types {sorted(kinds)} "
-                    "(--weights gguf serves such a file)"
-                )
-            return RowStack(parts)
-        k = parts[0]
-        blocks = torch.cat([p.blocks for p in parts])
-        return QuantTensor(blocks, k.kind, (blocks.shape[0], k.shape[1]), activations)
+        if len(kinds) > 1 and (weights != "gguf" or "f32" in kinds):
+            raise NanoserveError(
+                f"{Path(path).name} stores the parts of {what} in different types {sorted(kinds)} "
+                "(--weights gguf serves such a file)"
+            )
+        # neighbours of one type become one matrix (a Q4_K_M layer's Q and K, both Q5_0): one
+        # product, one quantization of x, where a part each would take two
+        runs: list[list] = []
+        for p in parts:
+            if runs and runs[-1][0].kind == p.kind:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        fused = []
+        for run in runs:
+            blocks = torch.cat([p.blocks for p in run])
+            fused.append(QuantTensor(blocks, run[0].kind, (blocks.shape[0], run[0].shape[1]), activations))
+        return fused[0] if len(fused) == 1 else RowStack(fused)
 
     def check(w, shape, what):
         if tuple(w.shape) != tuple(shape):
