@@ -27,10 +27,11 @@ class Parser(argparse.ArgumentParser):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        metavar="DIR|NAME",
+        metavar="DIR|NAME|FILE.gguf",
         help="an HF-layout Llama, Qwen2 or Qwen3 model directory, a Hugging Face repo id (Org/Name, "
-        "through huggingface_hub's cache), or a name fetch-model knows: smollm2-135m-instruct (the "
-        "default), qwen2.5-coder-0.5b-instruct",
+        "through huggingface_hub's cache), a name fetch-model knows: smollm2-135m-instruct (the "
+        "default), qwen2.5-coder-0.5b-instruct, or a GGUF file (converted once for its tokenizer and "
+        "config, its matrices served from the file)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
     p.add_argument(
@@ -299,10 +300,13 @@ def resolve_weights(args) -> tuple[str | None, str]:
 
     from nanoserve.config import DEFAULT_QUANT_ACTIVATIONS
     from nanoserve.fetch import DEFAULT_NAME, NAMED
+    from nanoserve.weights import is_gguf_path
 
     weights = args.weights
     if weights == "auto":
-        has_gguf = args.gguf is not None or args.model in (None, DEFAULT_NAME, *NAMED)
+        has_gguf = (
+            args.gguf is not None or args.model in (None, DEFAULT_NAME, *NAMED) or is_gguf_path(args.model)
+        )
         cpu = not device_of(args).startswith("cuda")
         single = os.environ.get("WORLD_SIZE", "1") == "1"
         weights = "gguf" if has_gguf and cpu and single and args.dtype == "float32" else None

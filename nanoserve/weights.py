@@ -9,6 +9,7 @@ are re-exported here, so `from nanoserve.weights import fetch_default_model` kee
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -125,9 +126,11 @@ def resolve_model_dir(model: str | Path | None, home: str | Path | None = None) 
     """The directory to load: the default model (fetched if needed) when `model` is None or
     names it; a named model (`fetch.NAMED`, fetched and converted once) by its name; a Hugging
     Face repo id ("Qwen/Qwen3-0.6B") through huggingface_hub's cache (`hub_snapshot`); otherwise
-    the directory `model` is."""
+    the directory `model` is; a GGUF file (`FILE.gguf`), converted once (`gguf_model_dir`)."""
     from nanoserve.fetch import DEFAULT_NAME, NAMED
 
+    if is_gguf_path(model):
+        return check_model_dir(gguf_model_dir(model, home))
     if model is None or (str(model) == DEFAULT_NAME and not Path(model).exists()):
         return fetch_default_model(home)
     if str(model) in NAMED and not Path(model).exists():
@@ -135,6 +138,38 @@ def resolve_model_dir(model: str | Path | None, home: str | Path | None = None) 
     if hub_id(model) and not Path(model).exists():
         return check_model_dir(hub_snapshot(str(model)))
     return check_model_dir(model)
+
+
+def is_gguf_path(model) -> bool:
+    """Whether `--model` names a GGUF file (by its suffix: a missing file is then an error)."""
+    return model is not None and str(model).endswith(".gguf")
+
+
+def gguf_model_dir(gguf: str | Path, home: str | Path | None = None) -> Path:
+    """The directory a GGUF given as `--model FILE.gguf` is converted to, once:
+    `$NANOSERVE_HOME/models/<stem>`, with SOURCE.json naming the file (path, size, mtime) it
+    came from; a different or changed file of the same name is converted again. The engine
+    reads the config, tokenizer and template there and, on a CPU, the matrices from the file
+    itself (`fetch.model_gguf`)."""
+    import shutil
+
+    from nanoserve.fetch import _is_complete
+
+    path = Path(gguf).expanduser()
+    if not path.is_file():
+        raise NanoserveError(f"the GGUF file {path} does not exist; pass the path of a .gguf file.")
+    st = path.stat()
+    source = {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    out = Path(home or nanoserve_home()) / "models" / path.name.removesuffix(".gguf")
+    stamp = out / "SOURCE.json"
+    if _is_complete(out) and stamp.is_file() and json.loads(stamp.read_text()) == source:
+        return out
+    if out.exists():
+        shutil.rmtree(out)  # our own cache: an older conversion, or another file's
+    print(f"converting {path.name} to {out}", file=sys.stderr)
+    import_gguf(path, out)
+    stamp.write_text(json.dumps(source, indent=2) + "\n")
+    return out
 
 
 def hub_id(model) -> bool:

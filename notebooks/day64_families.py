@@ -126,8 +126,10 @@ for fam in familybench.FAMILIES:
 # The config alone does not say where the biases go. The tiny Qwen2's `config.json`, as
 # transformers writes it, has no `attention_bias` at all (the `-`), and transformers'
 # `Qwen2Attention` does not read one: it always builds Q, K and V with a bias and O without.
-# `from_dict` encodes that fact for `model_type` `qwen2` (the real model's config in section 4
-# says `attention_bias` true, and still gets no O bias); for a Llama (and a Qwen3)
+# The `qwen2` family encodes that fact: `from_dict` asks the registry
+# (`nanoserve/models/registry.py`) for the family `model_type` names, and `models/qwen.py`'s
+# switches give a `qwen2` Q, K and V biases and no O bias whatever `attention_bias` says (the real
+# model's config in section 4 says it is true); for a Llama (and a Qwen3)
 # `attention_bias` puts a bias on all four projections, O included. The Qwen3 switch is the model
 # type itself: every Qwen3 block has its query and key norms.
 #

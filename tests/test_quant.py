@@ -656,3 +656,43 @@ def test_the_fused_step_checks_every_input_before_it_writes(case):
     assert all(torch.equal(a, b) for a, b in zip(before, args["k_pools"] + args["v_pools"])), (
         "a refused step wrote"
     )
+
+
+def test_a_gguf_file_given_as_the_model_is_converted_once_and_served_from_its_blocks(tiny_q, tmp_path):
+    """`--model FILE.gguf`: the file converted once under $NANOSERVE_HOME/models/<stem> (for its
+    config, tokenizer and template; SOURCE.json names the file it came from), its matrices
+    served from the file itself by the default path; a changed file is converted again."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from nanoserve.fetch import model_gguf
+    from nanoserve.weights import resolve_model_dir
+
+    path, _ = tiny_q
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(path.read_bytes())
+    home = tmp_path / "home"
+    out = resolve_model_dir(str(gguf), home)
+    assert out == home / "models" / "tiny"
+    assert json.loads((out / "SOURCE.json").read_text())["gguf"] == str(gguf.resolve())
+    made = (out / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_dir(str(gguf), home) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == made  # not converted again
+    os.utime(gguf, ns=(made + 10**9, made + 10**9))  # the file changed: converted again
+    assert resolve_model_dir(str(gguf), home) == out
+    assert (out / "model.safetensors").stat().st_mtime_ns != made
+    assert model_gguf(str(gguf)) == gguf
+    with pytest.raises(NanoserveError, match="missing.gguf does not exist"):
+        resolve_model_dir(str(tmp_path / "missing.gguf"), home)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "nanoserve.cli", "generate", "--model", str(gguf), "--max-tokens", "4", "t t"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NANOSERVE_HOME": str(home), "PYTHONWARNINGS": "ignore"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "paths: weights gguf q4_1" in r.stderr, r.stderr
