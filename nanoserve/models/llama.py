@@ -181,7 +181,7 @@ class Llama(nn.Module):
         # The tables are kept in the model's dtype: transformers casts cos/sin to it before rotating.
         self.register_buffer("cos", cos.to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
-        self.weights = str(dtype).removeprefix("torch.")  # what the matrices hold; quant.py sets q4_1/q8_0
+        self.weights = str(dtype).removeprefix("torch.")  # the matrices: the loader sets q4_1, q8_0, gguf
         self._fused = None  # the fused step's operand lists, built on its first call
         self.tp = None  # tensor parallelism (tp.py): this rank's share of a model split over ranks
 
