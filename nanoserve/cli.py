@@ -299,8 +299,7 @@ def resolve_weights(args) -> tuple[str | None, str]:
     import os
 
     from nanoserve.config import DEFAULT_QUANT_ACTIVATIONS
-    from nanoserve.fetch import DEFAULT_NAME, NAMED
-    from nanoserve.weights import is_gguf_path
+    from nanoserve.fetch import DEFAULT_NAME, NAMED, is_gguf_path
 
     weights = args.weights
     if weights == "auto":

@@ -325,10 +325,15 @@ def fetch_named_model(
     return model_dir
 
 
+def is_gguf_path(model) -> bool:
+    """Whether `--model` names a GGUF file (by its suffix: a missing file is then an error)."""
+    return model is not None and str(model).endswith(".gguf")
+
+
 def model_gguf(model: str | None, home: str | Path | None = None) -> Path | None:
     """The GGUF a model named by `--model` comes from (None, the default's name, one of `NAMED`,
     or a FILE.gguf), fetched if need be; None for a directory or a hub id, which bring no GGUF."""
-    if model is not None and str(model).endswith(".gguf"):  # --model FILE.gguf: the file itself
+    if is_gguf_path(model):  # --model FILE.gguf: the file itself
         return Path(model).expanduser()
     if model is None or model == DEFAULT_NAME:
         return fetch_default_gguf(home)

@@ -29,6 +29,7 @@ from nanoserve.fetch import (  # noqa: F401 -- re-exported
     fetch_default_gguf,
     fetch_default_model,
     fetch_named_model,
+    is_gguf_path,
     nanoserve_home,
     sha256_of,
 )
@@ -138,11 +139,6 @@ def resolve_model_dir(model: str | Path | None, home: str | Path | None = None) 
     if hub_id(model) and not Path(model).exists():
         return check_model_dir(hub_snapshot(str(model)))
     return check_model_dir(model)
-
-
-def is_gguf_path(model) -> bool:
-    """Whether `--model` names a GGUF file (by its suffix: a missing file is then an error)."""
-    return model is not None and str(model).endswith(".gguf")
 
 
 def gguf_model_dir(gguf: str | Path, home: str | Path | None = None) -> Path:
