@@ -495,7 +495,7 @@ with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         str(QWEN_GGUF.parent), gguf_file=QWEN_GGUF.name, dtype=torch.float32
     ).eval()
 seconds = time.perf_counter() - t0
-print(f"transformers {transformers.__version__}: {type(hf).__name__} from the GGUF in {seconds:.1f} s")
+print(f"transformers: {type(hf).__name__} from the GGUF in {seconds:.1f} s")
 full = torch.tensor([prompt + answer.token_ids])
 with torch.no_grad():
     ref = hf(full).logits[0]  # (64, 151936)
