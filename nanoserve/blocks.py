@@ -114,6 +114,7 @@ class BlockAllocator:
         self._block_of: dict[bytes, int] = {}  # hash -> block, the inverse
         # block -> (parent's hash, its tokens): a hit must match both, so no collision can share
         self._contents_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}
+        self.usable_hits = None  # WindowBlocks.usable_hits, for a model with sliding layers
 
     @property
     def num_free(self) -> int:
@@ -164,6 +165,11 @@ class BlockAllocator:
         `use_cache=False` (a prompt being scored needs every position's logits) finds none."""
         if not (self.enable_prefix_caching and use_cache):
             return []
+        hits = self._cached_blocks(token_ids)
+        # a model with sliding layers keeps only their latest window (`WindowBlocks`)
+        return hits if self.usable_hits is None else hits[: self.usable_hits(hits)]
+
+    def _cached_blocks(self, token_ids: Sequence[int]) -> list[int]:
         bs = self.block_size
         # the last prompt token is always recomputed: its logits pick the first new token
         usable = (len(token_ids) - 1) // bs * bs
@@ -282,3 +288,119 @@ class BlockAllocator:
         )
         if not maps_agree:
             raise AssertionError("the prefix cache's hash -> block and block -> hash maps disagree")
+
+
+# --- the sliding layers' blocks (phase 6, Gemma 3) ----------------------------------------------
+
+
+class WindowBlocks:
+    """Blocks of the layers that attend to their latest `window` positions only, kept apart from
+    the other layers' so that a long context costs them no more than the window.
+
+    vLLM's hybrid KV cache manager keeps one block table per group of layers. Here the sliding
+    group's block is found through the full group's: `local_of[b]` is the sliding layers' block
+    that goes with full block b (or the hole block, `num_blocks`, when none is held). The
+    plans, the slot table and the captured graphs stay as they are, addressing full slots; the
+    cache turns a full slot s into `local_of[s // bs] * bs + s % bs` for a sliding layer.
+
+    Each step (`prepare`), a row takes the sliding blocks of every full block its chunk's
+    queries can see, positions start - window + 1 .. end - 1, and then gives back those wholly
+    before that. A full block shared by two sequences (a cached prefix) holds the same K/V for
+    both, so its sliding block is shared too, counted once per sequence that holds it. A
+    prefix hit is usable only as far as the sliding blocks of its last window are still held
+    (`usable_hits`), since a freed one's K/V is gone.
+
+    The pool never runs out: `blocks_for` sizes it for `max_batch` rows each holding a window
+    and a chunk of the token budget, the most the scheduler can have running at once."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, num_full_blocks: int):
+        import torch
+
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # full block -> sliding block; the extra last entry is the full pool's sink block, which
+        # maps to the hole too. A tensor at a fixed address: captured steps read it as it changes
+        self.local_of = torch.full((num_full_blocks + 1,), num_blocks, dtype=torch.long)
+        self.refs: dict[int, int] = {}  # full block -> sequences holding its sliding block
+        self.held: dict[int, dict[int, int]] = {}  # id(seq) -> {block index: full block}
+
+    @staticmethod
+    def blocks_for(max_batch: int, token_budget: int, block_size: int, window: int) -> int:
+        """The most sliding blocks running rows can hold at once: a row's chunk of c tokens sees
+        window - 1 + c positions, spread over at most ceil((window - 1) / bs) + ceil(c / bs) + 1
+        blocks; the chunks of a step sum to the token budget, and at most max_batch rows run."""
+        return max_batch * (-(-(window - 1) // block_size) + 3) + -(-token_budget // block_size)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def first_needed(self, start: int) -> int:
+        """The first block index a query at position `start` (or later) can still read."""
+        return max(0, start - self.window + 1) // self.block_size
+
+    def _acquire(self, block: int) -> None:
+        if self.refs.get(block, 0) == 0:
+            if not self._free:  # blocks_for rules this out; reaching it is a bookkeeping bug
+                raise RuntimeError(f"the sliding layers' {self.num_blocks} blocks are all held")
+            local, _ = self._free.popitem(last=False)
+            self.local_of[block] = local
+        self.refs[block] = self.refs.get(block, 0) + 1
+
+    def _release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            del self.refs[block]
+            self._free[int(self.local_of[block])] = None
+            self.local_of[block] = self.num_blocks
+
+    def prepare(self, chunks) -> None:
+        """Before a step over chunks (seq, start, end): every row holds the sliding blocks its
+        queries read and write, and none before them. All rows take before any gives back, so
+        a block one row lets go of and another still reads is never freed in between."""
+        for seq, start, end in chunks:
+            mine = self.held.setdefault(id(seq), {})
+            blocks = seq.block_table.blocks
+            for i in range(self.first_needed(start), -(-end // self.block_size)):
+                if i not in mine:
+                    mine[i] = blocks[i]
+                    self._acquire(blocks[i])
+        for seq, start, _ in chunks:
+            mine = self.held[id(seq)]
+            first = self.first_needed(start)
+            for i in [i for i in mine if i < first]:
+                self._release(mine.pop(i))
+
+    def leave(self, seq) -> None:
+        """seq left the running set (finished, aborted, preempted): its sliding blocks go back."""
+        for block in self.held.pop(id(seq), {}).values():
+            self._release(block)
+
+    def usable_hits(self, hits: list[int]) -> int:
+        """How many leading blocks of a prefix hit can be used: as many as leave the sliding
+        blocks of the window before the first computed position held."""
+        bs = self.block_size
+        for h in range(len(hits), 0, -1):
+            if all(hits[i] in self.refs for i in range(self.first_needed(h * bs), h)):
+                return h
+        return 0
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError with a sentence if the counts disagree with what rows hold."""
+        counts: dict[int, int] = {}
+        for mine in self.held.values():
+            for b in mine.values():
+                counts[b] = counts.get(b, 0) + 1
+        if counts != self.refs:
+            raise AssertionError("the sliding blocks' reference counts disagree with what the rows hold")
+        mapped = {int(self.local_of[b]) for b in self.refs}
+        if (
+            len(mapped) != len(self.refs)
+            or mapped & set(self._free)
+            or len(mapped) + len(self._free) != self.num_blocks
+        ):
+            raise AssertionError("a sliding block is both held and free, held twice, or lost")

@@ -49,6 +49,12 @@ class BatchedPagedKVCache:
         self.cfg, self.num_slots, self.dtype, self.device = cfg, num_slots, dtype, torch.device(device)
         self.attention = self._resolve(attention)
         self.sink_slot = num_slots
+        # a sliding layer's window (it reads its latest `window` positions only), None: all
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]
+        self.scale = cfg.query_scale  # None: head_dim ** -0.5, SDPA's own
+        # the sliding layers' own blocks (`set_window_blocks`): None while they share the slots
+        self.local_of: torch.Tensor | None = None
+        self.block_size = self.local_slots = 0
         self.k: list[torch.Tensor | None] = [None] * cfg.num_layers
         self.v: list[torch.Tensor | None] = [None] * cfg.num_layers
         self._step_memo: dict | None = None  # the step's memo while a step's layer calls attention
@@ -68,9 +74,27 @@ class BatchedPagedKVCache:
             return "gather"
         return "native"
 
+    def set_window_blocks(self, local_of: torch.Tensor, num_blocks: int, block_size: int) -> None:
+        """Give the sliding layers pools of their own: `num_blocks` blocks and a hole block
+        after them, found through `local_of` (full block -> sliding block, `blocks.WindowBlocks`)."""
+        if any(t is not None for t in self.k):
+            raise ValueError("the pools are allocated already; set the sliding layers' blocks first")
+        self.local_of, self.block_size = local_of.to(self.device), block_size
+        self.local_slots = (num_blocks + 1) * block_size
+
+    def _grouped(self, layer: int) -> bool:
+        return self.local_of is not None and self.windows[layer] is not None
+
+    def _to_local(self, slots: torch.Tensor) -> torch.Tensor:
+        """Full slots -> the sliding layers' slots: the same offset in the block `local_of` maps
+        the full block to (a block no row holds maps to the hole, read by no query)."""
+        bs = self.block_size
+        return self.local_of[torch.div(slots, bs, rounding_mode="floor")] * bs + slots % bs
+
     def _ensure_pool(self, layer: int) -> None:
         if self.k[layer] is None:
-            shape = (self.num_slots + 1, self.cfg.num_kv_heads, self.cfg.head_dim)
+            rows = self.local_slots if self._grouped(layer) else self.num_slots + 1
+            shape = (rows, self.cfg.num_kv_heads, self.cfg.head_dim)
             self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -83,11 +107,18 @@ class BatchedPagedKVCache:
     def allocated_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan) -> None:
-        """Store the step's new K/V, (N, kv_heads, head_dim) each, at plan.write_slots (N,)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan, memo: dict | None = None) -> None:
+        """Store the step's new K/V, (N, kv_heads, head_dim) each, at plan.write_slots (N,)
+        (for a sliding layer with its own blocks: where they map to, once a step)."""
         self._ensure_pool(layer)
-        self.k[layer].index_put_((plan.write_slots,), k)
-        self.v[layer].index_put_((plan.write_slots,), v)
+        slots = plan.write_slots
+        if self._grouped(layer):
+            memo = {} if memo is None else memo
+            slots = memo.get("local writes")
+            if slots is None:
+                slots = memo["local writes"] = self._to_local(plan.write_slots)
+        self.k[layer].index_put_((slots,), k)
+        self.v[layer].index_put_((slots,), v)
 
     def paged_attention(self, layer: int, q: torch.Tensor, plan, memo: dict | None = None) -> torch.Tensor:
         """q (N, heads, head_dim) -> (N, heads, head_dim), each row reading only its own slots.
@@ -112,16 +143,31 @@ class BatchedPagedKVCache:
         only for the call), the native kernel's window is checked and copied once (a
         `DecodeWindow`), and each layer's call checks only its own pools against it, O(1),
         instead of every slot of the window once a layer; called alone it checks its window. The
-        signature stays the four arguments the course's days call and override."""
+        signature stays the four arguments the course's days call and override.
+
+        A sliding layer reads its rows' latest `window` positions: their slots are cut out of the
+        window first (`_latest`), once a step, so both paths below see a narrower window."""
+        memo = self._step_memo if self._step_memo is not None else {}
+        keep = self.windows[layer]
+        local = keep is not None and (window.shape[1] > keep or self.local_of is not None)
+        if local:
+            latest = memo.get(("latest", keep))
+            if latest is None:
+                if window.shape[1] > keep:
+                    window, context_lens = _latest(window, context_lens, keep)
+                if self.local_of is not None:
+                    window = self._to_local(window)
+                latest = memo[("latest", keep)] = (window, context_lens)
+            window, context_lens = latest
         if self.attention == "native":  # in place: no copy, no mask
             from nanoserve.kernels import native
 
             ext = native()
-            memo = self._step_memo if self._step_memo is not None else {}
-            checked = memo.get("native window")
+            key = ("native latest", keep) if local else "native window"
+            checked = memo.get(key)
             if checked is None:
-                checked = memo["native window"] = ext.DecodeWindow(window, context_lens)
-            scale = self.cfg.head_dim**-0.5
+                checked = memo[key] = ext.DecodeWindow(window, context_lens)
+            scale = self.cfg.attention_scale
             return ext.decode_attention_checked(q, self.k[layer], self.v[layer], checked, scale)
         # gather (days 18-56, kept as it was): each row's window copied, padding and all, then SDPA
         rows, width = window.shape
@@ -136,6 +182,7 @@ class BatchedPagedKVCache:
             v.transpose(1, 2),
             attn_mask=visible[:, None, None, :],  # (B, 1, 1, W)
             enable_gqa=q.shape[1] != k.shape[2],
+            scale=self.scale,
         )[:, :, 0]  # (B, nh, hd)
         # A fully masked row (context_lens 0: a padded row) comes out of softmax as NaN.
         return torch.where((context_lens > 0)[:, None, None], out, 0.0)
@@ -150,15 +197,21 @@ class BatchedPagedKVCache:
                 out[:d] = self._one_query_rows(layer, q[:d], window, plan.context_lens[:d])
             finally:
                 self._step_memo = None
+        window = self.windows[layer]
         for r, (start, end, ctx) in enumerate(plan.row_spans):
             if r < d or end == start or ctx == 0:
+                continue
+            n = end - start
+            if window is not None and (ctx > window or self.local_of is not None):  # a sliding layer
+                out[start:end] = self._windowed_chunk(
+                    layer, q[start:end], plan.slot_window[r], ctx, window, memo, r
+                )
                 continue
             slots = plan.slot_window[r, :ctx]  # (ctx,) this row's keys, oldest first
             k = self.k[layer].index_select(0, slots).transpose(0, 1)[None]  # (1, kv, ctx, hd)
             v = self.v[layer].index_select(0, slots).transpose(0, 1)[None]
             qr = q[start:end].transpose(0, 1)[None]  # (1, nh, n, hd)
             # query i sits at position ctx - n + i and sees keys up to and including itself
-            n = end - start
             gqa = qr.shape[1] != k.shape[1]
             if self.attention == "native":  # (gather keeps the ops days 18-56 count)
                 # contiguous operands: SDPA's CPU flash kernel on the strided views took ~10 ms a
@@ -166,7 +219,9 @@ class BatchedPagedKVCache:
                 # a whole prompt (no cached context) needs no mask: plain causal
                 qr, k, v = qr.contiguous(), k.contiguous(), v.contiguous()
                 if n == ctx:
-                    o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, enable_gqa=gqa)
+                    o = F.scaled_dot_product_attention(
+                        qr, k, v, is_causal=True, enable_gqa=gqa, scale=self.scale
+                    )
                     out[start:end] = o[0].transpose(0, 1)
                     continue
             mask = memo.get(r)
@@ -175,9 +230,29 @@ class BatchedPagedKVCache:
                     torch.arange(ctx, device=q.device)[None, :]
                     <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
                 )
-            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _windowed_chunk(self, layer, q, row_window, ctx: int, window: int, memo: dict, r: int):
+        """A prompt chunk's queries (n, nh, hd) at positions ctx - n .. ctx - 1 on a sliding
+        layer: query p sees keys j with p - window < j <= p, so only keys from
+        ctx - n - window + 1 on are read (a band, not the whole context)."""
+        n = q.shape[0]
+        lo = max(0, ctx - n - window + 1)
+        slots = row_window[lo:ctx] if self.local_of is None else self._to_local(row_window[lo:ctx])
+        k = self.k[layer].index_select(0, slots).transpose(0, 1)[None].contiguous()  # (1, kv, ctx-lo, hd)
+        v = self.v[layer].index_select(0, slots).transpose(0, 1)[None].contiguous()
+        mask = memo.get((r, "band"))
+        if mask is None:
+            keys = torch.arange(lo, ctx, device=q.device)[None, :]
+            pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask = memo[(r, "band")] = (keys <= pos) & (keys > pos - window)
+        qr = q.transpose(0, 1)[None].contiguous()  # (1, nh, n, hd)
+        o = F.scaled_dot_product_attention(
+            qr, k, v, attn_mask=mask, enable_gqa=qr.shape[1] != k.shape[1], scale=self.scale
+        )
+        return o[0].transpose(0, 1)
 
     def view(self, plan) -> BatchedCacheRows:
         """Bind a plan. `write` and `paged_attention` read the rows a plan addresses, which for a
@@ -188,6 +263,15 @@ class BatchedPagedKVCache:
         return BatchedCacheRows(self, plan)
 
 
+def _latest(window: torch.Tensor, context_lens: torch.Tensor, keep: int):
+    """Rows' slots of their latest `keep` positions, oldest first: (B, keep) cut from
+    window (B, W) at each row's context_len - keep (0 for a row shorter than that), and the
+    counts that are real, min(context_len, keep). What a sliding layer's one-query rows read."""
+    start = (context_lens - keep).clamp(min=0)  # (B,)
+    cols = (start[:, None] + torch.arange(keep, device=window.device)).clamp(max=window.shape[1] - 1)
+    return window.gather(1, cols), context_lens.clamp(max=keep)
+
+
 class BatchedCacheRows:
     """A cache bound to one step's plan: what `Llama.forward` writes to and reads from."""
 
@@ -196,7 +280,7 @@ class BatchedCacheRows:
         self.memo: dict = {}  # what every layer of this step shares: masks, the checked native window
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.write(layer, k, v, self.plan)
+        self.cache.write(layer, k, v, self.plan, self.memo)
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return self.cache.paged_attention(layer, q, self.plan, self.memo)

@@ -28,10 +28,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="DIR|NAME|FILE.gguf",
-        help="an HF-layout Llama, Qwen2 or Qwen3 model directory, a Hugging Face repo id (Org/Name, "
-        "through huggingface_hub's cache), a name fetch-model knows: smollm2-135m-instruct (the "
-        "default), qwen2.5-coder-0.5b-instruct, or a GGUF file (converted once for its tokenizer and "
-        "config, its matrices served from the file)",
+        help="an HF-layout Llama, Qwen2, Qwen3 or Gemma 3 model directory, a Hugging Face repo id "
+        "(Org/Name, through huggingface_hub's cache), a name fetch-model knows: smollm2-135m-instruct "
+        "(the default), qwen2.5-coder-0.5b-instruct, gemma-3-270m, or a GGUF file (converted once "
+        "for its tokenizer and config, its matrices served from the file)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations dtype")
     p.add_argument(
@@ -59,6 +59,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="a decode step as one native call (fused) or as the model's torch ops; auto: fused "
         "for quantized weights (default: auto)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a jinja chat template to render messages with instead of the model's own; a base "
+        "model (gemma-3-270m) has none, and chat requests are refused without one",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
@@ -275,9 +282,16 @@ def device_of(args) -> str:
 
 
 def weights_options(args) -> dict:
-    """What --weights and --quant-activations resolve to (`resolve_weights`)."""
+    """What --weights and --quant-activations resolve to (`resolve_weights`), and the other
+    options of the model's own files (--gguf, --chat-template)."""
     weights, activations = resolve_weights(args)
-    return dict(weights=weights, gguf=args.gguf, quant_activations=activations, decode_step=args.decode_step)
+    return dict(
+        weights=weights,
+        gguf=args.gguf,
+        quant_activations=activations,
+        decode_step=args.decode_step,
+        chat_template=args.chat_template,
+    )
 
 
 def decode_capture(args, quantized: bool, on_cuda: bool) -> bool:
@@ -396,6 +410,12 @@ def cmd_generate(args) -> None:
     if engine is None:  # a tensor-parallel worker: its part is done
         return
     tokenizer = engine.tokenizer
+    if not args.raw and not tokenizer.template_source:
+        print(
+            "nanoserve: this model has no chat template (a base model); the prompt goes as written",
+            file=sys.stderr,
+        )
+        args.raw = True
     if args.raw:
         ids = tokenizer.encode(args.prompt)
     else:

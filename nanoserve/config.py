@@ -29,6 +29,10 @@ class EngineConfig:
     kv_budget: int | None = None  # bytes for the KV pool; None: pool.py's default for the device
     max_num_batched_tokens: int = 512  # tokens one prefill step may carry (longer prompts are chunked)
     enable_prefix_caching: bool = True
+    # a model with sliding-window layers (Gemma 3): give those layers blocks of their own, freed
+    # once out of every window a row can still read (blocks.WindowBlocks), so a long context
+    # costs them no more than their window; False: every layer holds every position
+    window_blocks: bool = True
     # "budget": decode rows and prompt chunks share one token budget a step (vLLM's default);
     # "prefill-first": a step is all prefill or all decode, prompts first (the earlier policy);
     # "static": a new batch only when the last has finished, nobody joins (the first policy)
@@ -46,6 +50,9 @@ class EngineConfig:
     # read them from; otherwise the directory's fp32 weights are quantized at load.
     weights: str | None = None
     gguf: str | None = None
+    # a jinja file to render chat messages with instead of the directory's own template (a base
+    # model has none, and chat requests are refused without one)
+    chat_template: str | None = None
     # a quantized linear's activations: "fp32" (the products see exactly the dequantized weights:
     # the default model's greedy tokens equal its fp32 conversion's), or "int8" per block of 32,
     # llama.cpp's arithmetic (its tokens, not the fp32 model's: they part at the first token of a

@@ -20,18 +20,32 @@ import torch.nn.functional as F
 from nanoserve.models import LlamaConfig
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor):
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+):
     """Attention of q (N, nh, hd) over keys 0..L-1 (k, v: (nkv, L, hd)), query i seeing keys <=
-    q_positions[i]. Grouped-query: each K/V head serves nh/nkv query heads."""
+    q_positions[i], and with a `window` only the latest `window` of them (a sliding layer:
+    keys j with q_positions[i] - j < window). Grouped-query: each K/V head serves nh/nkv query
+    heads. `scale` multiplies q.k (None: head_dim ** -0.5)."""
     n, nh, hd = q.shape
     length = k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, nh, N, hd)
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # (1, nkv, L, hd)
-    if n == 1:
+    keys = torch.arange(length, device=q.device)[None, :]
+    if n == 1 and (window is None or length <= window):
         mask = None  # one query at the end of the sequence sees every key
     else:
-        mask = torch.arange(length, device=q.device)[None, :] <= q_positions[:, None]  # (N, L)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=nh != kh.shape[1])
+        mask = keys <= q_positions[:, None]  # (N, L)
+        if window is not None:
+            mask &= keys > q_positions[:, None] - window
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, enable_gqa=nh != kh.shape[1], scale=scale
+    )
     return out[0].transpose(0, 1)  # (N, nh, hd)
 
 
@@ -43,6 +57,8 @@ class ContiguousKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.max_len = max_len
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # None: the whole context
+        self.scale = cfg.query_scale  # None: SDPA's own head_dim ** -0.5
         self.length = 0  # positions filled, including the step being run
         self.start = 0  # first position of the step being run
 
@@ -61,7 +77,7 @@ class ContiguousKVCache:
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         k = self.k[layer][:, : self.length]
         v = self.v[layer][:, : self.length]
-        return causal_attention(q, k, v, self.positions)
+        return causal_attention(q, k, v, self.positions, self.windows[layer], self.scale)
 
 
 class NoCache:

@@ -30,6 +30,7 @@ computes, the sampler picks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.blocks import BlockAllocator
+from nanoserve.blocks import BlockAllocator, WindowBlocks
 from nanoserve.buckets import row_buckets, width_buckets
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
@@ -98,13 +99,16 @@ class Engine:
         self.max_model_len = config.max_model_len or model.cfg.max_position_embeddings
         dtype = model.dtype
         tp = getattr(model, "tp", None)
+        # a model with sliding layers: their own blocks, sized for the rows that can run, and
+        # the rest of the budget to the full layers (`_window_pool`); None: one pool for all
+        self.window_pool, pool_cfg, budget = self._window_pool(model, config, tp)
         self.pool = plan_pool(
             # under tensor parallelism the pool is planned for the whole model (the same blocks as
             # one process, so the same schedule); each rank holds its K/V heads' part (tp.py)
-            tp.full_cfg if tp is not None else model.cfg,
+            pool_cfg if tp is None else tp.full_cfg,
             dtype,
             block_size=config.block_size,
-            budget_bytes=config.kv_budget,
+            budget_bytes=budget,
             device=model.device.type,
         )
         self.context_capped = None  # the model's own context, where the pool made it shorter
@@ -155,6 +159,17 @@ class Engine:
             fused=self.decode_step == "fused",
         )
         self.scheduler.on_leave = self.runner.release
+        self.window_blocks = None
+        if self.window_pool is not None:
+            cfg = model.cfg
+            self.window_blocks = WindowBlocks(
+                self.window_pool.num_blocks, config.block_size, cfg.sliding_window, self.pool.num_blocks
+            )
+            self.allocator.usable_hits = self.window_blocks.usable_hits
+            self.cache.set_window_blocks(
+                self.window_blocks.local_of, self.window_pool.num_blocks, config.block_size
+            )
+            self.runner.window_blocks = self.window_blocks
         self.requests: dict[str, _Request] = {}
         self.held: dict[str, list[Sequence]] = {}  # request id -> samples waiting for its prompt
         self.step_kinds = {"prefill": 0, "decode": 0, "mixed": 0}  # steps run, by what they held
@@ -163,6 +178,44 @@ class Engine:
         self.warm_report = None  # a WarmupReport once warm_decode has run
         self.model_name = "model"  # what the server calls it; build_engine uses the directory's name
         self.malloc = None  # what build_engine's keep_freed_memory did (malloc.py), when asked
+
+    @staticmethod
+    def _window_pool(model, config: EngineConfig, tp):
+        """(the sliding layers' pool plan or None, the config the full pool is planned for, its
+        budget). The sliding layers get `WindowBlocks.blocks_for` blocks, the most the running
+        rows can hold at once; the full layers the rest of the budget. One pool for all layers
+        where there are no sliding layers, config.window_blocks is off, under tensor
+        parallelism (each rank plans its own pools), or where the sliding blocks would not
+        leave the full layers a block."""
+        cfg = model.cfg
+        if not (cfg.sliding_layers and config.window_blocks and tp is None):
+            return None, cfg, config.kv_budget
+        bs, local_layers = config.block_size, len(cfg.sliding_layers)
+        blocks = WindowBlocks.blocks_for(
+            config.max_batch, config.max_num_batched_tokens, bs, cfg.sliding_window
+        )
+        local_cfg = dataclasses.replace(cfg, num_layers=local_layers)
+        full_cfg = dataclasses.replace(cfg, num_layers=cfg.num_layers - local_layers)
+        per_block = local_cfg.kv_bytes_per_token(model.dtype) * bs
+        local_bytes = (blocks + 1) * per_block  # and the hole block
+        budget = config.kv_budget
+        if budget is None:
+            budget = plan_pool(cfg, model.dtype, bs, None, device=model.device.type).budget_bytes
+        if budget - local_bytes < 2 * full_cfg.kv_bytes_per_token(model.dtype) * bs:
+            return None, cfg, config.kv_budget
+        local = dataclasses.replace(
+            plan_pool(local_cfg, model.dtype, bs, local_bytes, device=model.device.type), num_blocks=blocks
+        )
+        return local, full_cfg, budget - local_bytes
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of K/V the blocks rows hold now take, over all layers: a full block holds every
+        full layer's K/V; a sliding block every sliding layer's (without window_blocks a block
+        holds every layer's)."""
+        held = self.allocator.num_used * self.pool.bytes_per_block
+        if self.window_blocks is not None:
+            held += self.window_blocks.num_used * self.window_pool.bytes_per_block
+        return held
 
     @staticmethod
     def _pack(model, config: EngineConfig) -> str:
@@ -555,7 +608,10 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
                 f"max_model_len {config.max_model_len} is longer than the model's context of "
                 f"{model.cfg.max_position_embeddings} tokens"
             )
-        engine = Engine(model, Tokenizer.from_dir(model_dir), config)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        if config.chat_template is not None:
+            tokenizer.use_template_file(config.chat_template)
+        engine = Engine(model, tokenizer, config)
     except Exception as e:
         if tp is not None:  # the workers wait for rank 0's pool: tell them why it will not come
             tp.fail_setup(str(e))
@@ -563,6 +619,11 @@ def build_engine(config: EngineConfig, on_phase=None) -> Engine:
     engine.model_name = model_dir.name
     engine.malloc = malloc
     print(engine.pool.describe(), file=sys.stderr)  # stderr: a command's stdout stays its answer
+    if engine.window_pool is not None:  # the sliding layers' own blocks, sized for the rows that run
+        print(
+            engine.window_pool.describe().replace("KV pool:", "KV pool of the sliding layers:"),
+            file=sys.stderr,
+        )
     print(engine.paths_line(), file=sys.stderr)
     if tp is not None:
         import atexit

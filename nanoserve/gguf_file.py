@@ -109,12 +109,15 @@ _BLOCK_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+def hf_name(gguf_name: str, names: dict | None = None) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'. `names` are a
+    family's own block names (`Family.gguf_names`: Gemma 3's 'ffn_norm' is its
+    pre_feedforward_layernorm), read before a Llama's."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{kind}"
+    block_names = _BLOCK_NAMES | (names or {})
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{kind}"
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     raise NanoserveError(f"the GGUF holds a tensor {gguf_name!r} that a Llama model does not have.")
@@ -207,6 +210,8 @@ def _config(reader, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
     }
     for key in ("bos", "eos", "padding"):
         config[f"{key[:3]}_token_id"] = _field(reader, f"tokenizer.ggml.{key}_token_id")
+    if fam.gguf_config is not None:  # what this family's config.json holds beyond a Llama's
+        config.update(fam.gguf_config(get))
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": _round_f32(get("rope.scaling.factor"))}
@@ -219,7 +224,8 @@ def _state_dict(reader, config: dict, dtype: torch.dtype) -> dict[str, torch.Ten
     from gguf.quants import dequantize
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    permuted = rotary_rows_permuted(reader)
+    fam = gguf_family(reader)
+    permuted = fam.gguf_rotary_permuted
     out = {}
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type)  # numpy float32, (rows, cols) as Hugging Face has them
@@ -231,26 +237,50 @@ def _state_dict(reader, config: dict, dtype: torch.dtype) -> dict[str, torch.Ten
             w = unpermute_rotary_rows(w, heads)
         elif permuted and ".attn_k." in t.name:
             w = unpermute_rotary_rows(w, kv_heads)
-        out[hf_name(t.name)] = w.to(dtype).contiguous()
+        if fam.gguf_norm_shift and t.name.endswith("norm.weight"):  # the gain back to Gemma's w
+            w = w - fam.gguf_norm_shift
+        out[hf_name(t.name, fam.gguf_names)] = w.to(dtype).contiguous()
     return out
 
 
 def _tokenizer_files(reader, config: dict):
     """tokenizer.json (as a `tokenizers.Tokenizer`) and tokenizer_config.json from the GGUF."""
-    from nanoserve.tokenizer import bpe_from_vocab
+    from nanoserve.tokenizer import bpe_from_vocab, spm_from_vocab
 
     model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise NanoserveError(f"the GGUF's tokenizer is {model!r}; nanoserve converts only 'gpt2' (BPE).")
+    if model not in ("gpt2", "llama"):
+        raise NanoserveError(
+            f"the GGUF's tokenizer is {model!r}; nanoserve converts 'gpt2' (byte-level BPE) "
+            "and 'llama' (SentencePiece BPE)."
+        )
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
-    backend = bpe_from_vocab(
-        tokens,
-        _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens),
-        _field(reader, "tokenizer.ggml.merges") or [],
-        pre=_field(reader, "tokenizer.ggml.pre", "default"),
-        bos_id=config["bos_token_id"] if add_bos else None,
-    )
+    token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    # llama.cpp puts BOS in front of a SentencePiece prompt unless the file says not to.
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+    bos_id = config["bos_token_id"] if add_bos else None
+    if model == "gpt2":
+        backend = bpe_from_vocab(
+            tokens,
+            token_types,
+            _field(reader, "tokenizer.ggml.merges") or [],
+            pre=_field(reader, "tokenizer.ggml.pre", "default"),
+            bos_id=bos_id,
+        )
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise NanoserveError(
+                "the GGUF's SentencePiece vocabulary has no tokenizer.ggml.scores, which decide its "
+                "merges; re-convert the model with llama.cpp's convert_hf_to_gguf.py."
+            )
+        backend = spm_from_vocab(
+            tokens,
+            scores,
+            token_types,
+            bos_id=bos_id,
+            # absent: llama.cpp's default for SentencePiece, a space in front of the text
+            add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+        )
     # PreTrainedTokenizerFast makes transformers' AutoTokenizer take tokenizer.json as written.
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):

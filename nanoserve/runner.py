@@ -55,9 +55,12 @@ class ModelRunner:
         self.graph_budget = graph_budget  # bytes lazy recording may hold in graphs
         self.graph_bytes = 0  # bytes the recorded graphs hold
         self.eager_steps = 0  # captured-mode decode steps that ran without a graph
+        self.window_blocks = None  # blocks.WindowBlocks, for a model whose sliding layers have their own
 
     def plan(self, batch: Batch) -> StepPlan:
         device = self.model.device
+        if self.window_blocks is not None:  # the sliding layers' blocks for this step's rows
+            self.window_blocks.prepare(batch.as_chunks())
         if batch.is_decode and self.slot_table is not None:
             seqs = self._sync_rows(batch.decode)
             return plan_decode_bucketed(seqs, self.slot_table, self.buckets, self.inputs, device)
@@ -86,9 +89,12 @@ class ModelRunner:
         return sorted(seqs, key=table.row_of.__getitem__)
 
     def release(self, seq: Sequence) -> None:
-        """seq left the running set (finished, aborted or preempted): free its slot-table row."""
+        """seq left the running set (finished, aborted or preempted): free its slot-table row
+        and its sliding layers' blocks."""
         if self.slot_table is not None and seq in self.slot_table.row_of:
             self.slot_table.release(seq)
+        if self.window_blocks is not None:
+            self.window_blocks.leave(seq)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         tp = getattr(self.model, "tp", None)

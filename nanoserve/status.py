@@ -36,8 +36,20 @@ class ServerState:
 
 
 def pool_dict(engine: Engine) -> dict:
+    """The KV pool's plan; for a model whose sliding layers have their own blocks, also theirs
+    (`window_group`) and what each group holds now."""
     plan = engine.pool
-    return dataclasses.asdict(plan) | {"num_slots": plan.num_slots, "describe": plan.describe()}
+    out = dataclasses.asdict(plan) | {"num_slots": plan.num_slots, "describe": plan.describe()}
+    if engine.window_pool is not None:
+        w, blocks = engine.window_pool, engine.window_blocks
+        out["window_group"] = dataclasses.asdict(w) | {
+            "window": blocks.window,
+            "layers": list(engine.model.cfg.sliding_layers),
+            "blocks_used": blocks.num_used,
+            "describe": w.describe(),
+        }
+        out["kv_bytes_held"] = engine.kv_bytes_held()
+    return out
 
 
 def paths_dict(engine: Engine) -> dict:
@@ -120,8 +132,15 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     pool_mb = p.num_blocks * p.bytes_per_block / 1e6
     family = engine.model.cfg.family
     name = engine.model_name if family == "llama" else f"{engine.model_name} ({family})"
+    pool = f"{p.num_blocks} blocks x {p.block_size} = {p.num_slots:,} tokens, {pool_mb:.1f} MB"
+    if engine.window_pool is not None:  # two groups: the full layers', the sliding layers'
+        g = engine.window_pool
+        g_mb = g.num_blocks * g.bytes_per_block / 1e6
+        pool = (
+            f"{p.num_layers} full layers {pool}; {g.num_layers} sliding layers (window "
+            f"{engine.window_blocks.window}) {g.num_blocks} blocks, {g_mb:.1f} MB"
+        )
     return (
-        f"nanoserve: {name} · {p.dtype} on {engine.model.device.type} · KV pool "
-        f"{p.num_blocks} blocks x {p.block_size} = {p.num_slots:,} tokens, {pool_mb:.1f} MB"
+        f"nanoserve: {name} · {p.dtype} on {engine.model.device.type} · KV pool {pool}"
         f" · warm list {warm}{where}"
     )

@@ -453,7 +453,6 @@ def init(device: torch.device, join_timeout: float = JOIN_TIMEOUT) -> tuple[int,
 
 def shard(full, rank: int, world: int):
     """A `Llama` holding rank's share of `full` (module doc); its `tp` is set by `load_share`."""
-    from nanoserve.models import Llama
 
     cfg = full.cfg
     check_split(cfg, world)
@@ -464,15 +463,16 @@ def shard(full, rank: int, world: int):
     local = dataclasses.replace(
         cfg, num_heads=nh_l, num_kv_heads=nkv_l, intermediate_size=i_l, vocab_size=rows
     )
-    model = Llama(local, dtype=full.dtype, device=full.device, max_positions=full.cos.shape[0])
+    # the family's own class (a Gemma 3's blocks and rotary tables), on this rank's share
+    model = type(full)(local, dtype=full.dtype, device=full.device, max_positions=full.cos.shape[0])
     q = slice(rank * nh_l * hd, (rank + 1) * nh_l * hd)
     k = slice(nh * hd + rank * nkv_l * hd, nh * hd + (rank + 1) * nkv_l * hd)
     v = slice((nh + nkv) * hd + rank * nkv_l * hd, (nh + nkv) * hd + (rank + 1) * nkv_l * hd)
     cols = slice(rank * i_l, (rank + 1) * i_l)
     with torch.no_grad():
         for mine, theirs in zip(model.blocks, full.blocks):
-            mine.input_norm.copy_(theirs.input_norm)
-            mine.post_norm.copy_(theirs.post_norm)
+            for attr, _ in mine.NORMS:  # over hidden: whole on every rank
+                getattr(mine, attr).copy_(getattr(theirs, attr))
             mine.qkv.copy_(torch.cat([theirs.qkv[q], theirs.qkv[k], theirs.qkv[v]]))
             if mine.qkv_bias is not None:  # split with its rows
                 mine.qkv_bias.copy_(torch.cat([theirs.qkv_bias[q], theirs.qkv_bias[k], theirs.qkv_bias[v]]))

@@ -79,19 +79,27 @@ def check_model_dir(path: str | Path) -> Path:
     config = load_config(path)
     kind = config.get("model_type")
     archs = config.get("architectures") or []
-    if kind not in FAMILIES or archs and archs != [FAMILIES[kind].hf_architecture]:
+    fam = FAMILIES.get(kind) or next((f for f in FAMILIES.values() if f.model_type == kind), None)
+    if fam is None or archs and archs != [fam.hf_architecture]:
         raise NanoserveError(
             f"{path} holds a {kind or 'untyped'} model ({', '.join(archs) or 'no architectures'}); "
             f"nanoserve runs the families {', '.join(FAMILIES)} only."
         )
     window, context = config.get("sliding_window"), config.get("max_position_embeddings")
-    if window is not None and config.get("use_sliding_window", True) and not (context and window >= context):
+    if (
+        window is not None
+        and not fam.sliding_windows  # a family that reads sliding_window runs its windows
+        and config.get("use_sliding_window", True)
+        and not (context and window >= context)
+    ):
         # Mistral 7B v0.1's 4096: every layer would have to attend to its last `window` tokens
-        # only, and nanoserve's attention reads a row's whole context. Refused, not ignored.
+        # only, and this family's forward reads a row's whole context. Refused, not ignored.
+        windowed = [f.name for f in FAMILIES.values() if f.sliding_windows]
         raise NanoserveError(
             f"{path} is a model whose layers attend to a sliding window of {window} tokens "
-            f"(config.json's sliding_window, with a context of {context or 'unknown'}); nanoserve "
-            "attends to the whole context and does not run sliding-window models yet."
+            f"(config.json's sliding_window, with a context of {context or 'unknown'}); nanoserve's "
+            f"{fam.name} attends to the whole context and does not run sliding-window models "
+            f"(the families whose windows it runs: {', '.join(windowed) or 'none'})."
         )
     if not _safetensors_files(path):
         raise NanoserveError(f"{path} has no *.safetensors weights; convert or download the model first.")

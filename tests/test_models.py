@@ -74,9 +74,9 @@ def test_each_family_is_found_by_its_name_and_sets_its_switches():
 
 
 def test_an_unknown_family_is_refused_with_a_sentence():
-    sentence = r"model_type is 'gemma3', a family nanoserve does not run; it runs 'llama'"
+    sentence = r"model_type is 'gemma2', a family nanoserve does not run; it runs 'llama'"
     with pytest.raises(NanoserveError, match=sentence):
-        LlamaConfig.from_dict(dict(TINY) | {"model_type": "gemma3"})
+        LlamaConfig.from_dict(dict(TINY) | {"model_type": "gemma2"})
     with pytest.raises(NanoserveError, match=r"the GGUF's architecture is 'phi3'"):
         family("phi3", "the GGUF's architecture")
     with pytest.raises(ValueError, match="registered already"):

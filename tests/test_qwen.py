@@ -177,8 +177,8 @@ def test_tiny_qwen3_matches_transformers_and_its_norms_count(tmp_path):
 
 
 def test_an_unknown_family_is_refused_with_a_sentence(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "gemma3", "architectures": ["Gemma3ForCausalLM"]}')
-    with pytest.raises(NanoserveError, match="runs the families llama, mistral, qwen2, qwen3 only"):
+    (tmp_path / "config.json").write_text('{"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}')
+    with pytest.raises(NanoserveError, match="runs the families llama, mistral, gemma3, qwen2, qwen3 only"):
         load_model(tmp_path)
 
 

@@ -126,3 +126,18 @@ def test_a_seeded_row_draws_the_same_alone_and_in_a_mixed_batch():
         alone = sample(logits[:1].clone(), [seeded], [g_alone])[0].item()
         batch = sample(logits.clone(), [seeded, *others], [g_batch, *gens])
         assert batch[0].item() == alone
+
+
+def test_a_nucleus_wider_than_the_candidates_is_found_by_sorting_that_row():
+    """`nucleus_floor` looks among the top NUCLEUS_CANDIDATES logits first; a flat row whose
+    nucleus holds more tokens than that is sorted whole, and keeps what `filter_logits` keeps.
+    The flat row below keeps more than 1,024 tokens, which the candidates alone cannot give."""
+    from nanoserve.sampling import NUCLEUS_CANDIDATES, filter_batch
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 8000, generator=g) * torch.tensor([[0.01], [4.0], [1.0]])
+    got = filter_batch(logits, [0, 0, 50], [0.9, 0.9, 0.5])
+    kept = [int(torch.isfinite(row).sum()) for row in got]
+    for i, (k, p) in enumerate([(0, 0.9), (0, 0.9), (50, 0.5)]):
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(filter_logits(logits[i], k, p)))
+    assert kept[0] > NUCLEUS_CANDIDATES > kept[1] >= 1

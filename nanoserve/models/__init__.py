@@ -3,12 +3,14 @@
     layers.py    linear, RMSNorm, rotary embeddings, the K/V cache protocol (days 3-7, 12)
     llama.py     the Llama forward (and Mistral's checkpoints)
     qwen.py      Qwen2 and Qwen3: a Llama with Q/K/V biases, or with per-head Q/K norms
+    gemma.py     Gemma 3: four norms a block, GELU, and sliding-window layers
     registry.py  which family a config.json's model_type or a GGUF's architecture names
     loader.py    a model from a Hugging Face directory or from a GGUF's own blocks
 
 Everything a caller needs is importable from `nanoserve.models`.
 """
 
+from nanoserve.models.gemma import GEMMA3, Gemma3
 from nanoserve.models.layers import (
     BF16_UPCAST_ROWS,
     LINEAR,
@@ -38,6 +40,7 @@ from nanoserve.models.registry import FAMILIES, Family, family
 __all__ = [
     "BF16_UPCAST_ROWS",
     "FAMILIES",
+    "GEMMA3",
     "LINEAR",
     "LLAMA",
     "MATRICES",
@@ -46,6 +49,7 @@ __all__ = [
     "QWEN3",
     "Block",
     "Family",
+    "Gemma3",
     "KVCache",
     "Llama",
     "LlamaConfig",

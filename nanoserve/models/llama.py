@@ -56,6 +56,14 @@ class LlamaConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # sliding-window attention (Gemma 3): the layers in `sliding_layers` attend only to the last
+    # `sliding_window` positions (their own included), rotated with `rope_local_theta` when set;
+    # the others attend to the whole context. A Llama has none.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    query_scale: float | None = None  # the attention's scale on q.k; None: head_dim ** -0.5
+    embed_multiplier: float = 1.0  # the embedding's rows are scaled by this (Gemma: sqrt(hidden))
     family: str = "llama"  # the registry's name for config.json's model_type (`registry.FAMILIES`)
 
     @classmethod
@@ -69,7 +77,7 @@ class LlamaConfig:
         heads = d.get("num_attention_heads")
         fam = family(d.get("model_type") or "llama")
         try:
-            return cls(
+            fields = dict(
                 vocab_size=d["vocab_size"],
                 hidden_size=d["hidden_size"],
                 intermediate_size=d["intermediate_size"],
@@ -83,16 +91,25 @@ class LlamaConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 rope_scaling=scaling,
                 family=fam.name,
-                **fam.switches(d),
             )
+            fields.update(fam.switches(d))  # a family's switches may also replace what is read above
         except KeyError as e:
             raise NanoserveError(
                 f"config.json lacks the field {e.args[0]!r} that a {fam.name} model needs"
             ) from None
+        return cls(**fields)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> LlamaConfig:
         return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int | None:
+        """How many of the latest positions `layer` attends to (its own included), or None: all."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
@@ -105,6 +122,10 @@ class LlamaConfig:
 class Block(nn.Module):
     """One decoder block. Q, K and V share one matrix, and so do the MLP's gate and up
     projections: one matmul instead of three (or two), the same numbers per output element."""
+
+    # (attribute, the weight's name in a Hugging Face checkpoint): what the loaders copy a
+    # block's norms from; post_norm is the norm before the MLP, whatever a family calls it
+    NORMS = (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"))
 
     def __init__(self, cfg: LlamaConfig, layer: int, dtype: torch.dtype, device):
         super().__init__()
@@ -163,6 +184,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    block_class = Block  # a family written as a Llama with other blocks names its own (gemma.py)
+    # added to every norm weight read from a Hugging Face checkpoint: Gemma's store w for a gain
+    # of 1 + w; a GGUF stores the gain itself (llama.cpp's converter adds the 1)
+    hf_norm_shift = 0.0
+
     def __init__(
         self, cfg: LlamaConfig, dtype: torch.dtype = torch.float32, device="cpu", max_positions=None
     ):
@@ -170,7 +196,7 @@ class Llama(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         kw = dict(dtype=dtype, device=device)
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False)
-        self.blocks = nn.ModuleList(Block(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(self.block_class(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size, **kw), requires_grad=False)
         self.head = (
             self.embed
@@ -328,18 +354,19 @@ class Llama(nn.Module):
                 )
             dst.copy_(src)
 
+        shift = self.hf_norm_shift
+
+        def put_norm(dst: torch.Tensor, name: str) -> None:
+            put(dst, take(name) + shift if shift else take(name), name)
+
         put(self.embed, take("embed_tokens.weight"), "embed_tokens.weight")
-        put(self.norm, take("norm.weight"), "norm.weight")
+        put_norm(self.norm, "norm.weight")
         if not self.cfg.tie_word_embeddings:
             put(self.head, take("lm_head.weight"), "lm_head.weight")
         for i, b in enumerate(self.blocks):
             p = f"layers.{i}."
-            put(b.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(
-                b.post_norm,
-                take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight",
-            )
+            for attr, hf in b.NORMS:
+                put_norm(getattr(b, attr), p + hf + ".weight")
             qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             put(b.qkv, qkv, p + "self_attn.qkv")
             if b.qkv_bias is not None:
@@ -352,8 +379,8 @@ class Llama(nn.Module):
             if b.o_bias is not None:
                 put(b.o_bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
             if b.q_norm is not None:
-                put(b.q_norm, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-                put(b.k_norm, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+                put_norm(b.q_norm, p + "self_attn.q_norm.weight")
+                put_norm(b.k_norm, p + "self_attn.k_norm.weight")
             gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             put(b.gate_up, gate_up, p + "mlp.gate_up")
             put(b.down, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
@@ -368,7 +395,9 @@ def model_weight_bytes(model: Llama) -> int:
     seen, total = set(), 0
     ws = [model.embed, model.head, model.norm]
     for b in model.blocks:
-        ws += [b.input_norm, b.post_norm] + [getattr(b, n) for n in ("qkv", "o", "gate_up", "down")]
+        ws += [getattr(b, attr) for attr, _ in b.NORMS] + [
+            getattr(b, n) for n in ("qkv", "o", "gate_up", "down")
+        ]
         ws += [w for w in (b.qkv_bias, b.o_bias, b.q_norm, b.k_norm) if w is not None]
     for w in ws:
         if id(w) not in seen:

@@ -88,19 +88,20 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
     """A `Llama` whose matrices are the GGUF's own blocks: Q4_1 and Q8_0 tensors kept as the file
     holds them, float tensors (F32, F16, BF16) as fp32. `weights` names the block matrices' kind
     and must be what the file holds; a file whose matrices are in another type is refused."""
-    from nanoserve.gguf_file import _open_gguf, hf_name, rotary_rows_permuted, unpermute_rotary_rows
+    from nanoserve.gguf_file import _open_gguf, gguf_family, hf_name, unpermute_rotary_rows
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights are one of {', '.join(WEIGHTS)}, not {weights!r}")
     reader = _open_gguf(path)
-    permuted = rotary_rows_permuted(reader)
+    fam = gguf_family(reader)
+    permuted = fam.gguf_rotary_permuted
     model = family(cfg.family).model(cfg, dtype=torch.float32, device="cpu")
     found: dict[str, object] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # the config already holds the scaling these frequencies come from
         kind = t.tensor_type.name.lower()
-        name = hf_name(t.name).removeprefix("model.")
+        name = hf_name(t.name, fam.gguf_names).removeprefix("model.")
         if kind in BLOCK_BYTES:
             w = QuantTensor.from_gguf(t).with_activations(activations)
         elif kind in ("f32", "f16", "bf16"):
@@ -157,8 +158,8 @@ def load_gguf_model(path, cfg, weights: str, activations: str = "fp32"):
     matrix_kinds = set()
     for i, b in enumerate(model.blocks):
         p = f"layers.{i}."
-        b.input_norm.copy_(take(p + "input_layernorm.weight"))
-        b.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
+        for attr, hf in b.NORMS:  # a GGUF's norms are gains already (`Llama.hf_norm_shift`)
+            getattr(b, attr).copy_(take(p + hf + ".weight"))
         mats = {
             "qkv": fuse([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], p + "qkv"),
             "o": take(p + "self_attn.o_proj.weight"),
