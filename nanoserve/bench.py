@@ -61,6 +61,13 @@ def cpu_line() -> str:
 DECODE_PROMPT = "Explain, step by step, how a paged KV cache lets an inference server batch many requests."
 
 
+def decode_prompt(tok) -> list[int]:
+    """DECODE_PROMPT as a user's chat turn; a base model (no chat template) gets the text as is."""
+    if not tok.template_source:
+        return tok.encode(DECODE_PROMPT)
+    return tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+
+
 def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
     """Memory read bandwidth as torch sees it: the best of a few sums over a large fp32 tensor."""
     x = torch.ones(mbytes * 2**20 // 4)
@@ -97,7 +104,7 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> tuple[di
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
-    prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+    prompt = decode_prompt(tok)
     ours = load_model(model_dir, dtype=dtype)
     ours_rate, ours_tokens = decode_rate(lambda n: greedy_tokens(ours, prompt, n), n_tokens)
     # counted before the engine packs the matrices in place (packed ones are no longer parameters)
@@ -204,35 +211,42 @@ def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: s
     from nanoserve.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
-    prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+    prompt = decode_prompt(tok)
     model = load_gguf_model(gguf, LlamaConfig.from_dir(model_dir), weights, activations)
     rates, tokens, runs, engines = {}, {}, {}, {}
-    for step in ("fused", "ops"):
+    # a model the fused step cannot run (a Gemma 3) is measured on ops alone, said in the row
+    steps = ("fused", "ops") if model.fused_status() is None else ("ops",)
+    for step in steps:
         eng = engines[step] = Engine(
             model, tok, EngineConfig(max_batch=1, decode_step=step, fit_context=True)
         )
         runs[step] = lambda n, e=eng: engine_tokens_of(e, prompt, n)
         rates[step], tokens[step] = decode_rate(runs[step], n_tokens, 3)
-    ref_diff = first_difference(tokens["fused"], reference) if reference else "n/a"
+    main = steps[0]
+    ref_diff = first_difference(tokens[main], reference) if reference else "n/a"
     return (
         {
             "weights": f"{weights}/{activations}",
             "threads": torch.get_num_threads(),
             "tokens": n_tokens,
-            "fused_tok_s": round(rates["fused"], 1),
+            "fused_tok_s": round(rates["fused"], 1) if "fused" in rates else "n/a",
             "ops_tok_s": round(rates["ops"], 1),
             "weight_mb": round(model_weight_bytes(model) / 1e6, 1),
-            "fused_vs_ops": "equal"
-            if tokens["fused"] == tokens["ops"]
-            else f"differ at {first_difference(tokens['fused'], tokens['ops'])}",
+            "fused_vs_ops": "n/a"
+            if "fused" not in tokens
+            else (
+                "equal"
+                if tokens["fused"] == tokens["ops"]
+                else f"differ at {first_difference(tokens['fused'], tokens['ops'])}"
+            ),
             "vs_fp32_reference": "equal"
             if ref_diff is None
             else (f"differ at {ref_diff}" if ref_diff != "n/a" else ref_diff),
         },
-        tokens["fused"],
+        tokens[main],
         prompt,
-        lambda: decode_rate(runs["fused"], n_tokens)[0],  # the fused rate once more, for interleaving
-        engines["fused"],
+        lambda: decode_rate(runs[main], n_tokens)[0],  # the engine's rate once more, for interleaving
+        engines[main],
     )
 
 
@@ -507,7 +521,7 @@ def cmd_decode(args) -> None:
         from nanoserve.models import load_model
         from nanoserve.tokenizer import Tokenizer
 
-        prompt = Tokenizer.from_dir(model_dir).encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+        prompt = decode_prompt(Tokenizer.from_dir(model_dir))
         reference = greedy_tokens(load_model(model_dir), prompt, args.tokens)
     quant_rows = []
     gguf = Path(args.gguf) if args.gguf else (fetch_default_gguf() if args.model is None else None)
@@ -549,7 +563,7 @@ def cmd_decode(args) -> None:
             for name, (rate, _) in peer.items()
         )
         print(
-            f"{row['weights']:>10}: fused step {row['fused_tok_s']:6.1f} tok/s   torch ops "
+            f"{row['weights']:>10}: fused step {row['fused_tok_s']:>6} tok/s   torch ops "
             f"{row['ops_tok_s']:.1f}{peers}   roofline {row['roofline_tok_s']:.1f} tok/s "
             f"({row['weight_mb']:.0f} MB a token)   fused vs ops tokens {row['fused_vs_ops']}, "
             f"vs the fp32 model {row['vs_fp32_reference']}"

@@ -115,6 +115,7 @@ class BlockAllocator:
         # block -> (parent's hash, its tokens): a hit must match both, so no collision can share
         self._contents_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}
         self.usable_hits = None  # WindowBlocks.usable_hits, for a model with sliding layers
+        self.on_fresh = None  # WindowBlocks.forget, told when a block is handed out fresh
 
     @property
     def num_free(self) -> int:
@@ -138,6 +139,8 @@ class BlockAllocator:
 
     def _take_fresh(self) -> int:
         block, _ = self._free.popitem(last=False)
+        if self.on_fresh is not None:  # WindowBlocks.forget: what a sliding block kept for it is stale
+            self.on_fresh(block)
         h = self._hash_of.pop(block, None)
         if h is not None:  # its old contents are about to be overwritten
             del self._block_of[h]
@@ -307,11 +310,13 @@ class WindowBlocks:
     queries can see, positions start - window + 1 .. end - 1, and then gives back those wholly
     before that. A full block shared by two sequences (a cached prefix) holds the same K/V for
     both, so its sliding block is shared too, counted once per sequence that holds it. A
-    prefix hit is usable only as far as the sliding blocks of its last window are still held
-    (`usable_hits`), since a freed one's K/V is gone.
+    sliding block given back keeps its K/V on the free list (freed last, handed out first
+    from the other end) until it is handed out again or its full block is (`forget`), as the
+    prefix cache keeps full blocks; a prefix hit is usable as far as the sliding blocks of its
+    last window are still there (`usable_hits`).
 
-    The pool never runs out: `blocks_for` sizes it for `max_batch` rows each holding a window
-    and a chunk of the token budget, the most the scheduler can have running at once."""
+    The pool never runs out: `blocks_for` sizes it for `max_batch` rows each holding a window,
+    and a step's chunks, the most the scheduler can have running at once."""
 
     def __init__(self, num_blocks: int, block_size: int, window: int, num_full_blocks: int):
         import torch
@@ -322,13 +327,18 @@ class WindowBlocks:
         # maps to the hole too. A tensor at a fixed address: captured steps read it as it changes
         self.local_of = torch.full((num_full_blocks + 1,), num_blocks, dtype=torch.long)
         self.refs: dict[int, int] = {}  # full block -> sequences holding its sliding block
-        self.held: dict[int, dict[int, int]] = {}  # id(seq) -> {block index: full block}
+        self._local: dict[int, int] = {}  # full block -> sliding block whose K/V is there: held or kept
+        self._kept: dict[int, int] = {}  # free sliding block -> the full block whose K/V it still holds
+        # id(seq) -> (seq, {block index: full block}) for every running row that holds any
+        self.held: dict[int, tuple] = {}
 
     @staticmethod
     def blocks_for(max_batch: int, token_budget: int, block_size: int, window: int) -> int:
-        """The most sliding blocks running rows can hold at once: a row's chunk of c tokens sees
-        window - 1 + c positions, spread over at most ceil((window - 1) / bs) + ceil(c / bs) + 1
-        blocks; the chunks of a step sum to the token budget, and at most max_batch rows run."""
+        """The most sliding blocks running rows can hold at once (`prepare` keeps to it): a row
+        holds the blocks of the window - 1 positions before its next query, at most
+        ceil((window - 1) / bs) + 1; a row in the step also takes its chunk's c positions, at
+        most ceil(c / bs) + 1 more; the chunks of a step sum to the token budget, and at most
+        max_batch rows run."""
         return max_batch * (-(-(window - 1) // block_size) + 3) + -(-token_budget // block_size)
 
     @property
@@ -345,62 +355,117 @@ class WindowBlocks:
 
     def _acquire(self, block: int) -> None:
         if self.refs.get(block, 0) == 0:
-            if not self._free:  # blocks_for rules this out; reaching it is a bookkeeping bug
-                raise RuntimeError(f"the sliding layers' {self.num_blocks} blocks are all held")
-            local, _ = self._free.popitem(last=False)
-            self.local_of[block] = local
+            local = self._local.get(block)
+            if local is not None:  # kept on the free list with its K/V: taken back
+                del self._free[local], self._kept[local]
+            else:
+                if not self._free:  # blocks_for rules this out; reaching it is a bookkeeping bug
+                    raise RuntimeError(f"the sliding layers' {self.num_blocks} blocks are all held")
+                local, _ = self._free.popitem(last=False)
+                old = self._kept.pop(local, None)
+                if old is not None:  # the K/V it kept for another full block is overwritten
+                    del self._local[old]
+                    self.local_of[old] = self.num_blocks
+                self._local[block] = local
+                self.local_of[block] = local
         self.refs[block] = self.refs.get(block, 0) + 1
 
     def _release(self, block: int) -> None:
         self.refs[block] -= 1
-        if self.refs[block] == 0:
+        if self.refs[block] == 0:  # to the free list's end, its K/V kept until handed out again
             del self.refs[block]
-            self._free[int(self.local_of[block])] = None
+            local = self._local[block]
+            self._free[local] = None
+            self._kept[local] = block
+
+    def forget(self, block: int) -> None:
+        """Full block `block` is handed out fresh (`BlockAllocator.on_fresh`): the K/V its
+        sliding block kept belongs to a prefix no longer there."""
+        local = self._local.pop(block, None)
+        if local is not None:
+            del self._kept[local]
             self.local_of[block] = self.num_blocks
 
     def prepare(self, chunks) -> None:
-        """Before a step over chunks (seq, start, end): every row holds the sliding blocks its
-        queries read and write, and none before them. All rows take before any gives back, so
-        a block one row lets go of and another still reads is never freed in between."""
+        """Before a step over chunks (seq, start, end): every row of the step holds the sliding
+        blocks its queries read and write, and no running row holds a block before what its
+        next query can read (a row reads back window - 1 positions from its first uncomputed
+        one, `seq.num_computed`).
+
+        In three passes, so that nothing is freed while a row still needs it and nothing is
+        taken while a block no row needs still counts: a row first shares the blocks others
+        hold or the free list kept (a prefix hit admitted this step may need blocks only
+        another row holds, and that row may be about to let go of them); then every running
+        row gives back what lies before its window; then the step's rows take fresh blocks for
+        the rest."""
+        needed = []
         for seq, start, end in chunks:
-            mine = self.held.setdefault(id(seq), {})
-            blocks = seq.block_table.blocks
-            for i in range(self.first_needed(start), -(-end // self.block_size)):
+            entry = self.held.setdefault(id(seq), (seq, {}))
+            needed.append(
+                (
+                    entry[1],
+                    seq.block_table.blocks,
+                    range(self.first_needed(start), -(-end // self.block_size)),
+                )
+            )
+        for mine, blocks, want in needed:  # 1: share what other rows hold or the free list kept
+            for i in want:
+                if i not in mine and blocks[i] in self._local:
+                    mine[i] = blocks[i]
+                    self._acquire(blocks[i])
+        for seq, mine in self.held.values():  # 2: give back what no query of this row can read
+            first = self.first_needed(seq.num_computed)
+            for i in [i for i in mine if i < first]:
+                self._release(mine.pop(i))
+        for mine, blocks, want in needed:  # 3: fresh blocks for the rest
+            for i in want:
                 if i not in mine:
                     mine[i] = blocks[i]
                     self._acquire(blocks[i])
-        for seq, start, _ in chunks:
-            mine = self.held[id(seq)]
-            first = self.first_needed(start)
-            for i in [i for i in mine if i < first]:
-                self._release(mine.pop(i))
 
     def leave(self, seq) -> None:
         """seq left the running set (finished, aborted, preempted): its sliding blocks go back."""
-        for block in self.held.pop(id(seq), {}).values():
+        for block in self.held.pop(id(seq), (seq, {}))[1].values():
             self._release(block)
 
     def usable_hits(self, hits: list[int]) -> int:
         """How many leading blocks of a prefix hit can be used: as many as leave the sliding
-        blocks of the window before the first computed position held."""
+        blocks of the window before the first computed position there, held or kept."""
         bs = self.block_size
         for h in range(len(hits), 0, -1):
-            if all(hits[i] in self.refs for i in range(self.first_needed(h * bs), h)):
+            if all(hits[i] in self._local for i in range(self.first_needed(h * bs), h)):
                 return h
         return 0
+
+    def check_rows(self, chunks) -> None:
+        """After `prepare`: raise AssertionError if a row of the step does not hold a sliding
+        block its queries read or write (positions start - window + 1 .. end - 1)."""
+        bs = self.block_size
+        for seq, start, end in chunks:
+            mine = self.held.get(id(seq), (seq, {}))[1]
+            for i in range(max(0, start - self.window + 1) // bs, -(-end // bs)):
+                if i not in mine:
+                    raise AssertionError(
+                        f"a row whose chunk is positions {start}..{end - 1} does not hold the sliding "
+                        f"block of positions {i * bs}..{i * bs + bs - 1}, which its queries read"
+                    )
 
     def check_invariants(self) -> None:
         """Raise AssertionError with a sentence if the counts disagree with what rows hold."""
         counts: dict[int, int] = {}
-        for mine in self.held.values():
+        for _, mine in self.held.values():
             for b in mine.values():
                 counts[b] = counts.get(b, 0) + 1
         if counts != self.refs:
             raise AssertionError("the sliding blocks' reference counts disagree with what the rows hold")
-        mapped = {int(self.local_of[b]) for b in self.refs}
+        held = {self._local[b] for b in self.refs}
+        kept = {self._local[b] for b in self._local if b not in self.refs}
         if (
-            len(mapped) != len(self.refs)
-            or mapped & set(self._free)
-            or len(mapped) + len(self._free) != self.num_blocks
+            len(held) != len(self.refs)
+            or held & set(self._free)
+            or kept != set(self._kept)
+            or not kept <= set(self._free)
+            or len(held) + len(self._free) != self.num_blocks
+            or any(int(self.local_of[b]) != loc for b, loc in self._local.items())
         ):
-            raise AssertionError("a sliding block is both held and free, held twice, or lost")
+            raise AssertionError("a sliding block is both held and free, held twice, kept wrongly or lost")

@@ -166,6 +166,7 @@ class Engine:
                 self.window_pool.num_blocks, config.block_size, cfg.sliding_window, self.pool.num_blocks
             )
             self.allocator.usable_hits = self.window_blocks.usable_hits
+            self.allocator.on_fresh = self.window_blocks.forget
             self.cache.set_window_blocks(
                 self.window_blocks.local_of, self.window_pool.num_blocks, config.block_size
             )

@@ -199,12 +199,12 @@ def nucleus_floor(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     # a token is dropped when the mass before it already reaches top_p; the first always stays
     kept = ((cum - probs) < top_p[:, None]).sum(-1, keepdim=True)  # (R, 1), >= 1
     floor = values.gather(1, kept - 1)
-    short = (cum[:, -1] < top_p).nonzero().flatten().tolist() if c < vocab else []
-    for r in short:  # the nucleus reaches past the candidates: this row sorted whole
-        ordered = logits[r].sort(descending=True).values
-        probs_r = ordered.softmax(-1)
-        n = int(((probs_r.cumsum(-1) - probs_r) < top_p[r]).sum())
-        floor[r, 0] = ordered[n - 1]
+    short = (cum[:, -1] < top_p).nonzero().flatten() if c < vocab else None
+    if short is not None and short.numel():  # nuclei past the candidates: those rows sorted whole
+        ordered = logits[short].sort(dim=-1, descending=True).values
+        probs = ordered.softmax(-1)
+        n = ((probs.cumsum(-1) - probs) < top_p[short, None]).sum(-1, keepdim=True)
+        floor[short] = ordered.gather(1, n - 1)
     return floor
 
 

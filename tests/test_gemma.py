@@ -17,7 +17,7 @@ import transformers
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
-from nanoserve.models import load_model
+from nanoserve.models import LlamaConfig, load_model
 from nanoserve.sampling import SamplingParams
 from tests.test_model import make_tiny_checkpoint, prefill_logits
 
@@ -144,7 +144,8 @@ def test_the_paged_cache_with_a_window_off_by_one_is_caught(tiny_gemma3, monkeyp
 
 def run_checked(engine, requests, stagger=2):
     """Run requests (prompt ids, max_tokens), `stagger` steps apart, checking both allocators'
-    books after every step; tokens by request, and the most sliding blocks held at once."""
+    books after every step and the rows' sliding blocks before it; tokens by request, and the
+    most sliding blocks held at once."""
     from tests.test_engine import run_all
 
     most = 0
@@ -161,6 +162,15 @@ def run_checked(engine, requests, stagger=2):
         return out
 
     engine.step = checked_step
+    blocks = engine.window_blocks
+    if blocks is not None:  # every row of a step holds what its queries read
+        prepare = blocks.prepare
+
+        def checked_prepare(chunks):
+            prepare(chunks)
+            blocks.check_rows(chunks)
+
+        blocks.prepare = checked_prepare
     return run_all(engine, requests, stagger), most
 
 
@@ -202,19 +212,49 @@ def test_window_blocks_give_the_same_tokens_and_all_come_back(tiny_gemma3, budge
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_a_window_freed_one_block_early_is_caught(tiny_gemma3, monkeypatch):
-    """The sliding blocks given back one block too soon: the freed block is handed to another
-    row and overwritten while this one still reads it, and the tokens change."""
+def test_one_row_prefilling_a_long_prompt_stays_within_its_blocks(tiny_gemma3):
+    """One row (max_batch 1), a 70-token prompt in chunks of 16: the sliding pool is sized for
+    one row's window and one chunk (9 blocks of 4), and a row that took its next chunk's blocks
+    before giving back the last chunk's would run out here."""
     from nanoserve.blocks import WindowBlocks
 
     _, model_dir = tiny_gemma3
     model = load_model(model_dir)
-    prompts = [list(range(3, 3 + n)) for n in (9, 23, 40, 31)]
-    right, _ = engine_tokens(model, prompts, 24, attention="gather")
-    first = WindowBlocks.first_needed
-    monkeypatch.setattr(WindowBlocks, "first_needed", lambda self, start: first(self, start) + 1)
-    wrong, _ = engine_tokens(model, prompts, 24, attention="gather")
-    assert wrong != right
+    prompts = [list(range(3, 73))]
+    engine = Engine(model, None, EngineConfig(max_batch=1, max_num_batched_tokens=16, block_size=4))
+    assert engine.window_blocks.num_blocks == WindowBlocks.blocks_for(1, 16, 4, 8) == 9
+    got, most = run_checked(engine, [(prompts[0], 20)])
+    assert got[0] == greedy_tokens(model, prompts[0], 20)
+    assert most <= 9 and engine.window_blocks.num_used == 0
+
+
+def test_a_window_freed_one_block_early_is_caught(tiny_gemma3):
+    """The sliding blocks given back one block too soon: the row no longer holds a block its
+    first query reads, which `check_rows` finds at the first chunk. (A block
+    given back keeps its K/V until it is handed out again, so the tokens may well survive such
+    a bug for a while; the books do not.)"""
+    _, model_dir = tiny_gemma3
+    model = load_model(model_dir)
+    engine = Engine(model, None, EngineConfig(max_batch=4, max_num_batched_tokens=16, block_size=4))
+    blocks = engine.window_blocks
+    first, prepare = blocks.first_needed, blocks.prepare
+    blocks.first_needed = lambda start: first(start) + 1
+
+    def checked(chunks):
+        prepare(chunks)
+        blocks.check_rows(chunks)
+
+    blocks.prepare = checked
+    engine.add_request(list(range(3, 43)), SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(
+        AssertionError,
+        match="a row whose chunk is positions 0..15 does not hold the sliding block of positions 0..3",
+    ):
+        while engine.has_unfinished():
+            engine.step()
+    blocks.first_needed = first  # as built, the same run passes the check
+    engine = Engine(model, None, EngineConfig(max_batch=4, max_num_batched_tokens=16, block_size=4))
+    run_checked(engine, [(list(range(3, 43)), 8)])
 
 
 def test_a_long_context_costs_the_sliding_layers_only_their_window(tiny_gemma3):
@@ -356,3 +396,62 @@ def test_our_converted_directory_is_the_gguf_to_transformers(gemma, gemma_prompt
     ids = torch.tensor([gemma_prompts["short"]])
     with torch.no_grad():
         assert torch.equal(mine(ids).logits, hf(ids).logits)
+
+
+def test_a_prompt_repeated_after_the_first_finished_reuses_its_prefix(tiny_gemma3):
+    """Sliding blocks given back keep their K/V on the free list, as the prefix cache keeps
+    full blocks: a prompt sent again after the first has finished finds 36 of its 40 tokens
+    cached (the last block's window included), and gives the same tokens."""
+    _, model_dir = tiny_gemma3
+    model = load_model(model_dir)
+    engine = Engine(model, None, EngineConfig(max_batch=4, max_num_batched_tokens=16, block_size=4))
+    prompt, params = list(range(3, 43)), SamplingParams(max_tokens=12, ignore_eos=True)
+    first = engine.generate([prompt], params, use_tqdm=False)[0].token_ids
+    engine.add_request(prompt, params)
+    again = [t for o in engine.step() for t in o.new_token_ids]
+    assert engine.scheduler.running[0].block_table.num_cached_tokens == 36
+    while engine.has_unfinished():
+        again += [t for o in engine.step() for t in o.new_token_ids]
+    assert again == first
+    assert engine.allocator.num_used == 0 and engine.window_blocks.num_used == 0
+
+
+@pytest.mark.slow
+def test_gemma_served_a_base_model_refuses_chat_with_a_sentence_and_completes(gemma, tmp_path):
+    """The server on the real file: chat without a template is a 400 that says why, a plain
+    completion works, /health reports both pool groups, and --chat-template gives chat a
+    template. Two ranks are refused: one K/V head cannot be split."""
+    import httpx
+    import openai
+
+    from nanoserve import tp
+    from nanoserve.course import ServerThread
+    from nanoserve.engine import build_engine
+    from nanoserve.errors import NanoserveError
+    from nanoserve.serve import create_app
+
+    with pytest.raises(NanoserveError, match="this model has 1 K/V heads.*run it on 1 rank"):
+        tp.check_split(LlamaConfig.from_dir(gemma[0]), 2)
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    for chat_template in (None, str(template)):
+        config = EngineConfig(model="gemma-3-270m", max_batch=2, chat_template=chat_template)
+        engine = build_engine(config)
+        with ServerThread(create_app(engine)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+            messages = [{"role": "user", "content": "Name a colour."}]
+            if chat_template is None:
+                with pytest.raises(openai.BadRequestError, match="no chat template"):
+                    client.chat.completions.create(model=engine.model_name, messages=messages, max_tokens=4)
+                done = client.completions.create(
+                    model=engine.model_name, prompt="The capital of France is", max_tokens=6, temperature=0
+                )
+                assert done.choices[0].text and done.usage.completion_tokens == 6
+                pool = httpx.get(url + "/health").json()["pool"]
+                assert pool["num_layers"] == 3 and pool["window_group"]["num_layers"] == 15
+                assert pool["window_group"]["window"] == 512
+            else:
+                answer = client.chat.completions.create(
+                    model=engine.model_name, messages=messages, max_tokens=4, temperature=0
+                )
+                assert answer.choices[0].message.content is not None
