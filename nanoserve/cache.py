@@ -82,9 +82,6 @@ class BatchedPagedKVCache:
         self.local_of, self.block_size = local_of.to(self.device), block_size
         self.local_slots = (num_blocks + 1) * block_size
 
-    def _grouped(self, layer: int) -> bool:
-        return self.local_of is not None and self.windows[layer] is not None
-
     def _to_local(self, slots: torch.Tensor) -> torch.Tensor:
         """Full slots -> the sliding layers' slots: the same offset in the block `local_of` maps
         the full block to (a block no row holds maps to the hole, read by no query)."""
@@ -93,7 +90,8 @@ class BatchedPagedKVCache:
 
     def _ensure_pool(self, layer: int) -> None:
         if self.k[layer] is None:
-            rows = self.local_slots if self._grouped(layer) else self.num_slots + 1
+            grouped = self.local_of is not None and self.windows[layer] is not None
+            rows = self.local_slots if grouped else self.num_slots + 1
             shape = (rows, self.cfg.num_kv_heads, self.cfg.head_dim)
             self.k[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -112,7 +110,7 @@ class BatchedPagedKVCache:
         (for a sliding layer with its own blocks: where they map to, once a step)."""
         self._ensure_pool(layer)
         slots = plan.write_slots
-        if self._grouped(layer):
+        if self.local_of is not None and self.windows[layer] is not None:  # (inline: days 48-49 count calls)
             memo = {} if memo is None else memo
             slots = memo.get("local writes")
             if slots is None:
@@ -280,7 +278,10 @@ class BatchedCacheRows:
         self.memo: dict = {}  # what every layer of this step shares: masks, the checked native window
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.write(layer, k, v, self.plan, self.memo)
+        if self.cache.local_of is None:  # the four arguments days 17-56 override `write` with
+            self.cache.write(layer, k, v, self.plan)
+        else:  # the sliding layers' slots, mapped once a step
+            self.cache.write(layer, k, v, self.plan, self.memo)
 
     def attention(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         return self.cache.paged_attention(layer, q, self.plan, self.memo)

@@ -36,10 +36,10 @@ def causal_attention(
     length = k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, nh, N, hd)
     kh, vh = k.unsqueeze(0), v.unsqueeze(0)  # (1, nkv, L, hd)
-    keys = torch.arange(length, device=q.device)[None, :]
     if n == 1 and (window is None or length <= window):
         mask = None  # one query at the end of the sequence sees every key
     else:
+        keys = torch.arange(length, device=q.device)[None, :]
         mask = keys <= q_positions[:, None]  # (N, L)
         if window is not None:
             mask &= keys > q_positions[:, None] - window
