@@ -1,20 +1,27 @@
 """The OpenAI request schema and its errors (days 36-40), as the server reads them.
 
 `CompletionRequest` and `ChatRequest` are pydantic models of OpenAI's request bodies, strict
-about types (a `max_tokens` of "5" is an error, not a 5), plus three extensions: `top_k`,
-`ignore_eos` and `return_token_ids`. Scores and several answers are served: `logprobs`,
-`echo` (with `max_tokens` 0 to score a prompt alone), `n`, `best_of` and a list of prompts
-on completions; `logprobs` with `top_logprobs` on chat. Any field that would change the answer
-and that this server does not implement is refused by `check_supported` when set to anything
-but its default, never silently ignored: OpenAI's (penalties, logit_bias, suffix, tools,
-tool_choice, a `response_format` other than text) and the extensions other servers take
-(vLLM's min_p, repetition_penalty, guided decoding, ...; see `ANSWER_CHANGING`). Unknown fields
-that change nothing (`user`, `metadata`) are ignored. Sizes are capped (`MAX_STOP_CHARS`,
-`MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`, `MAX_LOGPROBS`, and the
-scores a request may make: the server's `max_score_entries`, `MAX_SCORE_ENTRIES` unless told),
-so no request can make the server do or hold far more than its context allows, and `BodyLimit`
-(ASGI middleware) answers 413 to a body over the server's cap before it is parsed. Every refusal
-is an `APIError`, which renders as OpenAI's error object:
+about types (a `max_tokens` of "5" is an error, not a 5), plus extensions: `top_k`,
+`ignore_eos` and `return_token_ids`, and vLLM's sampling fields `repetition_penalty`, `min_p`,
+`stop_token_ids`, `min_tokens` and `include_stop_str_in_output` (on both routes, as vLLM takes
+them). Scores and several answers are served: `logprobs`, `echo` (with `max_tokens` 0 to score
+a prompt alone), `n`, `best_of` and a list of prompts on completions; `logprobs` with
+`top_logprobs` on chat. OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias` are
+served too. Their ranges are checked once, by `SamplingParams.validate` (the engine's own
+check, so the server and the engine cannot disagree), which the handler turns into a 400
+naming the field; the schema here only checks their types. Any field that would change the
+answer and that this server does not implement is refused by `check_supported` when set to
+anything but its default, never silently ignored: OpenAI's (suffix, tools, tool_choice, a
+`response_format` other than text) and the extensions other servers take (vLLM's guided
+decoding, bad_words, ...; see `ANSWER_CHANGING`). Unknown fields that change nothing (`user`,
+`metadata`) are ignored. A chat message other than the assistant's must have content: a null
+or absent one is a 400 naming it (`messages.0.content`), not an empty turn the model would
+answer anyway (an assistant's may be null, as OpenAI allows after a tool call). Sizes are capped
+(`MAX_STOP_CHARS`, `MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`,
+`MAX_LOGPROBS`, and the scores a request may make: the server's `max_score_entries`,
+`MAX_SCORE_ENTRIES` unless told), so no request can make the server do or hold far more than its
+context allows, and `BodyLimit` (ASGI middleware) answers 413 to a body over the server's cap
+before it is parsed. Every refusal is an `APIError`, which renders as OpenAI's error object:
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 """
@@ -26,7 +33,7 @@ from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from nanoserve.sampling import MAX_LOGPROBS
 
@@ -78,7 +85,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"'{field}': {err.get('msg', 'invalid value')}", field
 
 
-# --- the request schema (OpenAI's, plus top_k, ignore_eos and return_token_ids) -----------------
+# --- the request schema (OpenAI's, plus top_k, ignore_eos, return_token_ids and vLLM's fields) ---
 
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters in one stop string
@@ -110,9 +117,15 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
+    # the sampling adjustments: types here, ranges in SamplingParams.validate (module doc)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    repetition_penalty: float | None = None  # vLLM's; None: 1, no penalty
+    min_p: float | None = None  # vLLM's; None: 0, no cut
+    stop_token_ids: list[int] | None = None  # vLLM's
+    min_tokens: int | None = None  # vLLM's; None: 0
+    include_stop_str_in_output: bool = False  # vLLM's
     user: str | None = None
     ignore_eos: bool = False  # extension
     return_token_ids: bool = False  # extension: each choice carries the generated token ids
@@ -144,13 +157,23 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
+    # validate_default: an absent content is checked as a null one
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
 
     @field_validator("content")
     @classmethod
     def _few_parts(cls, value):
         if isinstance(value, list) and len(value) > MAX_PARTS:
             raise ValueError(f"a message's content has at most {MAX_PARTS} parts, this one has {len(value)}")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value, info: ValidationInfo):
+        # an assistant turn may be null (OpenAI's, when it called tools); any other has content
+        role = info.data.get("role")  # absent when the role itself was refused
+        if value is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message needs content; only an assistant's may be null")
         return value
 
 
@@ -169,22 +192,17 @@ class ChatRequest(_Common):
 # (_REFUSE: any value other than null is refused). Sent with another value, they get a 400.
 _REFUSE = object()
 ANSWER_CHANGING: dict[str, Any] = {
-    "min_p": 0,
     "echo": False,  # chat: vLLM's "prepend the last message"; completions defines its own echo
     "best_of": 1,  # chat: vLLM takes it there too; completions defines its own best_of
-    "repetition_penalty": 1,
     "length_penalty": 1,
-    "min_tokens": 0,
     "top_a": 0,
     "typical_p": 1,
     "mirostat": 0,
     "use_beam_search": False,
-    "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "add_generation_prompt": True,
     "continue_final_message": False,
-    "stop_token_ids": _REFUSE,
     "bad_words": _REFUSE,
     "allowed_token_ids": _REFUSE,
     "prompt_logprobs": _REFUSE,
@@ -229,9 +247,6 @@ def check_supported(req: _Common) -> None:
             getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False),
             "top_logprobs needs logprobs: true",
         ),
-        ("presence_penalty", bool(req.presence_penalty), "presence_penalty is not supported"),
-        ("frequency_penalty", bool(req.frequency_penalty), "frequency_penalty is not supported"),
-        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("suffix", bool(getattr(req, "suffix", None)), "suffix is not supported"),
         ("tools", bool(getattr(req, "tools", None)), "tools are not supported by this server"),
         (

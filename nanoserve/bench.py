@@ -214,7 +214,7 @@ def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: s
     prompt = decode_prompt(tok)
     model = load_gguf_model(gguf, LlamaConfig.from_dir(model_dir), weights, activations)
     rates, tokens, runs, engines = {}, {}, {}, {}
-    # a model the fused step cannot run (a Gemma 3) is measured on ops alone, said in the row
+    # a model the fused step cannot run (fused_status says why) is measured on ops alone, said in the row
     steps = ("fused", "ops") if model.fused_status() is None else ("ops",)
     for step in steps:
         eng = engines[step] = Engine(

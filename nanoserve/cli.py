@@ -121,7 +121,8 @@ def build_parser() -> Parser:
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve the model over an OpenAI-compatible HTTP API (POST /v1/completions, "
-        "POST /v1/chat/completions, GET /v1/models, /health, /metrics). The engine is built, its KV "
+        "POST /v1/chat/completions, GET /v1/models, /health, /metrics, POST /tokenize, POST /detokenize, "
+        "GET /version). The engine is built, its KV "
         "pool planned and its decode graphs recorded (the warm list) before generation requests are "
         "accepted; /health answers 503 until then.",
     )
@@ -246,7 +247,47 @@ def build_parser() -> Parser:
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
-        help="uvicorn's log level; info logs every request (default: warning)",
+        help="uvicorn's log level; requests are logged by the access log, not by uvicorn (default: warning)",
+    )
+    p.add_argument(
+        "--no-access-log",
+        "--disable-uvicorn-access-log",
+        dest="no_access_log",
+        action="store_true",
+        help="write no line per request on stderr (by default each request gets one: client, method, "
+        "path, status, duration, request id)",
+    )
+    p.add_argument(
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
+        help="paths whose requests get no access log line, a comma list, e.g. /health,/metrics for "
+        "probes and scrapers (default: none)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="origins whose browser pages may call this server (CORS), as a JSON list or a comma list: "
+        "'[\"https://app.example\"]', https://a.example,http://localhost:3000, or * for any "
+        "(default: none, no CORS headers at all)",
+    )
+    p.add_argument(
+        "--allowed-methods",
+        default=None,
+        metavar="METHODS",
+        help="with --allowed-origins: the methods they may use, a JSON or comma list (default: any)",
+    )
+    p.add_argument(
+        "--allowed-headers",
+        default=None,
+        metavar="HEADERS",
+        help="with --allowed-origins: the request headers they may send, a JSON or comma list (default: any)",
+    )
+    p.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="with --allowed-origins: let their pages send cookies and HTTP authentication",
     )
 
     sub.add_parser("bench", help="benchmarks: see `python -m nanoserve.bench --help`", add_help=False)
@@ -461,6 +502,39 @@ def cmd_chat(args) -> None:
         history.append({"role": "assistant", "content": answer})
 
 
+def http_options(args) -> dict:
+    """create_app's CORS and access-log options from the serve flags, checked before anything is
+    loaded: a malformed list, an origin a browser would never send, or a CORS detail without
+    --allowed-origins is a one-line mistake now rather than a server that silently ignores it."""
+    from nanoserve.http_extras import cors_options, parse_list
+
+    origins = parse_list(args.allowed_origins, "--allowed-origins")
+    methods = parse_list(args.allowed_methods, "--allowed-methods")
+    headers = parse_list(args.allowed_headers, "--allowed-headers")
+    skip = parse_list(args.disable_access_log_for_endpoints, "--disable-access-log-for-endpoints") or []
+    if origins is None:
+        for flag, given in [
+            ("--allowed-methods", methods),
+            ("--allowed-headers", headers),
+            ("--allow-credentials", args.allow_credentials or None),
+        ]:
+            if given is not None:
+                raise ValueError(f"{flag} applies to the origins of --allowed-origins; give those too")
+    else:
+        cors_options(origins, methods, headers, args.allow_credentials)
+    for path in skip:
+        if not path.startswith("/"):
+            raise ValueError(f"--disable-access-log-for-endpoints takes paths such as /health, got {path!r}")
+    return dict(
+        allowed_origins=origins,
+        allowed_methods=methods,
+        allowed_headers=headers,
+        allow_credentials=args.allow_credentials,
+        access_log=not args.no_access_log,
+        access_log_skip=tuple(skip),
+    )
+
+
 def cmd_serve(args) -> None:
     import os
 
@@ -476,6 +550,7 @@ def cmd_serve(args) -> None:
     if args.capture and args.no_capture:
         raise NanoserveError("--capture and --no-capture ask for opposite things; give one")
     try:
+        http = http_options(args)
         max_body = parse_bytes(args.max_body_bytes)
         if max_body < 1:
             raise ValueError(f"--max-body-bytes must be at least 1 byte, got {args.max_body_bytes}")
@@ -524,6 +599,7 @@ def cmd_serve(args) -> None:
             served_model_names=args.served_model_name,
             drain_timeout=args.drain_timeout,
             log_level=args.log_level,
+            app_options=http,
         )
     except ValueError as e:
         raise NanoserveError(str(e)) from None

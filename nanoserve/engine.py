@@ -12,6 +12,12 @@ end-of-sequence rule, `max_tokens`, the context limit and stop strings, and rele
 sequences' blocks at once; `abort` ends a request wherever it is. `generate` is the offline
 loop over a list of prompts, with a progress bar.
 
+Penalties (issue 32). A sequence's `stop_token_ids` end it as the end token does; none of its
+first `min_tokens` tokens can end it (the sampler masks the end tokens meanwhile). The
+penalties, logit_bias and min_tokens need what each sequence has seen, so a step hands the
+sampler every row's token ids, but only when one of its rows asks for one of them: a step
+without runs the sampler's ops exactly as before (days 48 and 61 count them).
+
 Scores (day 36). A request whose params ask for `logprobs` gets each new token's
 `TokenLogprobs` in `RequestOutput.logprobs`; one asking for `prompt_logprobs` gets the prompt's
 (None for the first token, which nothing predicts) in the `prompt_logprobs` of its first
@@ -316,7 +322,8 @@ class Engine:
         """Queue a request; returns its id. `after`: the id of a request in flight with the same
         prompt; this one waits until that one's prompt is in the cache, and then shares its
         blocks (several samples of one prompt)."""
-        params = (params or SamplingParams()).validate()
+        # with the vocabulary: a logit_bias or stop_token_ids id past the logits is refused here
+        params = (params or SamplingParams()).validate(vocab=self.model.cfg.vocab_size)
         ids = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
@@ -334,7 +341,8 @@ class Engine:
         if not params.greedy:
             seq.generator = params.make_generator(self.model.device)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
-        self.requests[request_id] = _Request(seq, detok, StopStrings(params.stop))
+        stops = StopStrings(params.stop, keep=params.include_stop_str_in_output)
+        self.requests[request_id] = _Request(seq, detok, stops)
         first = self.requests.get(after) if after is not None else None
         if first is not None and not self._prompt_done(first.seq):
             self.held.setdefault(after, []).append(seq)
@@ -399,7 +407,12 @@ class Engine:
             return outs
         seqs = [plan.rows[i] for i in ready]
         picked = logits[torch.tensor(ready, device=logits.device)]
-        tokens = sample_rows(picked, [s.params for s in seqs], [s.generator for s in seqs])
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        if any(p.adjusts_logits for p in params):  # penalties, logit_bias, min_tokens
+            history = [(s.token_ids, len(s.prompt_ids)) for s in seqs]  # prompt first, then output
+            tokens = sample_rows(picked, params, generators, history, self.eos_ids)
+        else:  # the call as it was before these options existed, and the same ops
+            tokens = sample_rows(picked, params, generators)
         scores = self._token_scores(picked, seqs, tokens)
         for seq, token, score in zip(seqs, tokens, scores):
             out = self._append_or_fail(seq, token)
@@ -478,11 +491,16 @@ class Engine:
         out = RequestOutput(seq.request_id, [token])
         if req.detok is not None:
             out.text_offsets = [req.detok.chars]
-        finish = None
-        if token in self.eos_ids and not seq.params.ignore_eos:
+        finish, p = None, seq.params
+        # the first min_tokens tokens cannot end the sequence (the sampler masks the end tokens
+        # meanwhile, and a stop string they complete is ordinary text: stopping.py)
+        may_stop = len(seq.token_ids) - len(seq.prompt_ids) > p.min_tokens
+        if may_stop and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
             finish = "stop"
+            if p.include_stop_str_in_output and req.detok is not None:  # the end token's text too
+                out.text_delta, _ = req.stops.feed(req.detok.add(token))
         elif req.detok is not None:
-            piece, stopped = req.stops.feed(req.detok.add(token))
+            piece, stopped = req.stops.feed(req.detok.add(token), may_stop)
             out.text_delta = piece
             if stopped:
                 finish = "stop"
@@ -493,7 +511,7 @@ class Engine:
             finish = "length"
         if finish is not None:
             if req.detok is not None and not req.stops.stopped:
-                tail, _ = req.stops.feed(req.detok.flush())
+                tail, _ = req.stops.feed(req.detok.flush(), may_stop)
                 out.text_delta += tail + req.stops.flush()
             self.scheduler.finish(seq, finish)
             out.finish_reason = finish

@@ -3,11 +3,14 @@
     return await run(state, engine, req, prompt_ids, chat=False, default_max=16)
 
 `run` is what a route calls once the prompt is tokens: it settles `max_tokens` against the
-context, turns OpenAI's parameters into `SamplingParams`, checks the score budget, fans the
-request out into one engine sequence per prompt and sample (`n`, `best_of`), hands them to the
-engine loop, and then either collects every output into one JSON answer or streams them as
-server-sent events. Every refusal before the engine takes the request is an `APIError` (a
-4xx), and either every sample is taken or none is.
+context, turns OpenAI's parameters (and vLLM's sampling fields) into `SamplingParams`, checks
+the score budget, fans the request out into one engine sequence per prompt and sample (`n`,
+`best_of`), hands them to the engine loop, and then either collects every output into one JSON
+answer or streams them as server-sent events. Every refusal before the engine takes the
+request is an `APIError` (a 4xx), and either every sample is taken or none is. The sampling
+fields' ranges are `SamplingParams.validate`'s, whose error names the field, so the 400 names
+it too; the token ids in logit_bias and stop_token_ids are checked there against the model's
+vocabulary as well.
 
 The engine thread hands outputs over through a `Handoff`: one buffer per request, shared by its
 samples. The engine thread appends, and wakes the handler's event loop only when the buffer was
@@ -99,8 +102,13 @@ class Handoff:
                     return [(None, Refused(f"the request was aborted: {reason}", 500))]
 
 
-def sampling_params(req, chat: bool, max_tokens: int, best_of: int, echo: bool) -> SamplingParams:
-    """OpenAI's fields as the engine's `SamplingParams`; a value it refuses is a 400."""
+def sampling_params(
+    req, chat: bool, max_tokens: int, best_of: int, echo: bool, vocab: int | None = None
+) -> SamplingParams:
+    """OpenAI's fields (and vLLM's) as the engine's `SamplingParams`; a value it refuses is a
+    400 naming the field. `vocab`: the model's vocabulary size, which the token ids of
+    logit_bias and stop_token_ids must lie below (checked here, so the 400 says so before the
+    request reaches the engine)."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise APIError(
@@ -119,6 +127,14 @@ def sampling_params(req, chat: bool, max_tokens: int, best_of: int, echo: bool) 
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
     params = SamplingParams(
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=logit_bias(req.logit_bias),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        min_tokens=req.min_tokens or 0,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0),
@@ -130,11 +146,25 @@ def sampling_params(req, chat: bool, max_tokens: int, best_of: int, echo: bool) 
         prompt_logprobs=prompt_logprobs,
     )
     try:
-        params.validate()
-    except ValueError as e:
-        field = next((f for f in ("seed", "temperature", "top_p", "top_k") if f in str(e)), None)
-        raise APIError(400, str(e), param=field) from None
+        params.validate(vocab=vocab)
+    except ValueError as e:  # an InvalidParam, which names its field
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
     return params
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, whose keys are token ids written as strings, with int keys; a key
+    that is not an integer is a 400 naming the field (one past the vocabulary is refused by
+    `SamplingParams.validate`)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        text = key.strip()
+        if not (text.isascii() and text.lstrip("-").isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(text)] = value
+    return out
 
 
 def settle_max_tokens(req, prompts: list[list[int]], limit: int, chat: bool, default_max, echo) -> int:
@@ -179,9 +209,12 @@ async def run(
     default_max,
     echo=None,
     score_budget: int = MAX_SCORE_ENTRIES,
+    request_id: str | None = None,
 ):
     """Start one sequence per prompt and sample, and answer them as one response (module doc).
-    `echo`: each prompt's (text, ids, offsets) when a completion echoes its prompt."""
+    `echo`: each prompt's (text, ids, offsets) when a completion echoes its prompt. `request_id`:
+    the request's X-Request-Id (http_extras.RequestLog); the answer's id is built on it, as vLLM
+    builds it, so a client, the access log and the answer name the request alike."""
     max_tokens = settle_max_tokens(req, prompts, eng.max_model_len, chat, default_max, echo)
     n = req.n
     best_of = getattr(req, "best_of", None) or n
@@ -192,7 +225,7 @@ async def run(
             f"a request may start at most {MAX_SAMPLES}",
             param="best_of" if best_of > n else "n",
         )
-    params = sampling_params(req, chat, max_tokens, best_of, echo is not None)
+    params = sampling_params(req, chat, max_tokens, best_of, echo is not None, eng.model.cfg.vocab_size)
     asked = bool(req.logprobs) if chat else req.logprobs is not None
     wanted = params.logprobs if asked else None  # what the response shows
     # max_tokens 0 only scores: every sample would be the same, so one runs and is repeated
@@ -201,12 +234,14 @@ async def run(
         scored_prompt = sum(map(len, prompts)) if params.prompt_logprobs is not None else 0
         check_score_budget(score_budget, chat, len(prompts), samples, max_tokens, wanted, scored_prompt)
 
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    rid = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex[:24])
+    # the engine's ids stay unique when two clients send the same X-Request-Id
+    engine_rid = rid if request_id is None else f"{rid}-{uuid.uuid4().hex[:8]}"
     choices, rids = [], []
     for i in range(len(prompts)):
         for j in range(samples):
             choices.append(Choice(len(choices), echo[i] if echo is not None else None, top=wanted))
-            rids.append(f"{rid}-{i}-{j}")
+            rids.append(f"{engine_rid}-{i}-{j}")
     scores = Scores(eng.tokenizer, wanted) if wanted is not None else None
     answer = Answer(
         rid, eng.model_name, chat, sum(map(len, prompts)), req.return_token_ids, choices, scores, samples

@@ -93,10 +93,13 @@ def serve(
     served_model_names: list[str] | None = None,
     drain_timeout: float = 30.0,
     log_level: str = "warning",
+    app_options: dict | None = None,
 ) -> None:
     """Build, warm and serve until a signal (the CLI's `nanoserve serve`). Mistakes that can be
     found before listening (a bad model directory, a port in use) raise NanoserveError; an engine
-    that fails to build after the socket is open stops the server, also as a NanoserveError."""
+    that fails to build after the socket is open stops the server, also as a NanoserveError.
+    `app_options`: more of create_app's options (CORS, the access log). uvicorn's own access log
+    stays off: the app writes its own line per request, with the request id."""
     import socket
 
     import uvicorn
@@ -128,8 +131,11 @@ def serve(
         max_score_entries=max_score_entries,
         served_model_names=served_model_names,
         on_failure=on_failure,
+        **(app_options or {}),
     )
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+    )
     server = _draining_server(uv_config, app.state.nanoserve, drain_timeout)
     print(
         f"nanoserve: loading and warming; http://{host}:{port}/health says 503 until ready",

@@ -4,10 +4,13 @@
     app = create_app(lambda on_phase: build_engine(config, on_phase), address="127.0.0.1:8000")
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both streaming as server-sent
-events when `stream` is true), `GET /v1/models`, `GET /health`, `GET /metrics`. This module
-holds `create_app`: the routes, the API key, the error handlers, and a prompt's way from JSON
-to token ids. The rest is in modules of their own: the request schema, its caps and the error
-object (`api.py`); running a request once it is tokens, streamed or whole (`handlers.py`); the
+events when `stream` is true), `GET /v1/models`, `GET /health`, `GET /metrics`, and vLLM's
+`POST /tokenize`, `POST /detokenize` and `GET /version`. This module holds `create_app`: the
+routes, the API key, the error handlers, and a prompt's way from JSON to token ids, which
+`/tokenize` shares with the generation routes so that it counts what they would send. The rest
+is in modules of their own: the request schema, its caps and the error object (`api.py`); the
+tokenizer endpoints' bodies, the request ids, the access log and CORS (`http_extras.py`);
+running a request once it is tokens, streamed or whole (`handlers.py`); the
 response shapes (`responses.py`); `/health`'s body and the boot line (`status.py`); the engine
 loop that owns the engine (`loop.py`); the metrics (`metrics.py`); and the process around the
 app, `serve()` with its drain on SIGTERM (`lifecycle.py`; `serve` and `drain` are importable
@@ -21,8 +24,10 @@ whose characters cannot fit the context is refused before it is tokenized, and a
 scores could exceed `max_score_entries` is refused before it starts. Anything unexpected in a
 route is a 500 with the same error object (the traceback goes to the server's log only).
 
-With an API key, every `/v1` route needs `Authorization: Bearer <key>` (compared as UTF-8
-bytes, in constant time); `/health` and `/metrics` stay open for probes and scrapers, and the
+With an API key, every `/v1` route and `/tokenize` and `/detokenize` need `Authorization: Bearer
+<key>` (compared as UTF-8 bytes, in constant time; vLLM leaves the last two open, but they use the
+model's tokenizer and show its vocabulary, which a server with a key keeps to its callers);
+`/health`, `/metrics` and `/version` stay open for probes and scrapers, and the
 generated docs (`/docs`, `/redoc`, `/openapi.json`) are off: their pages cannot send the key,
 and a server that asks for one should tell nothing to a caller without it.
 
@@ -46,6 +51,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanoserve import __version__
 from nanoserve.api import (
     MAX_BODY_BYTES,
     MAX_SCORE_ENTRIES,
@@ -59,6 +65,16 @@ from nanoserve.api import (
 from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
 from nanoserve.handlers import LIVENESS_POLL, run
+from nanoserve.http_extras import (
+    CORS,
+    REQUEST_ID_HEADER,
+    AccessLog,
+    DetokenizeRequest,
+    RequestLog,
+    TokenizeRequest,
+    cors_options,
+    request_id_of,
+)
 from nanoserve.lifecycle import drain, serve
 from nanoserve.loop import EngineLoop
 from nanoserve.metrics import Metrics
@@ -91,13 +107,23 @@ def create_app(
     max_score_entries: int = MAX_SCORE_ENTRIES,
     served_model_names: list[str] | None = None,
     on_failure: Callable[[str], None] | None = None,
+    allowed_origins: list[str] | None = None,
+    allowed_methods: list[str] | None = None,
+    allowed_headers: list[str] | None = None,
+    allow_credentials: bool = False,
+    access_log: bool = False,
+    access_log_skip: tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI app. `engine` is a built Engine or a builder `f(on_phase) -> Engine` run in a
     background thread at startup (`/health` is 503 until it returns; if it raises, /health says
     "failed" with the reason and `on_failure(reason)` is called). `max_score_entries`: the most
     log-probabilities (chosen and alternatives) one request may ask for (api.score_entries).
     `served_model_names`: the names a request's `model` may give (default: the model directory's
-    name); the first is the one answers carry and /v1/models lists first."""
+    name); the first is the one answers carry and /v1/models lists first. `allowed_origins`
+    (with `allowed_methods`, `allowed_headers`, `allow_credentials`): CORS for those origins; None
+    answers no cross-origin request. `access_log`: one line per request on stderr, except for the
+    paths in `access_log_skip` (off by default here, so notebooks and tests stay quiet; the CLI
+    turns it on). Every response carries the request's `X-Request-Id` either way."""
     if served_model_names is not None and (
         not served_model_names or not all(isinstance(n, str) and n for n in served_model_names)
     ):
@@ -146,6 +172,12 @@ def create_app(
     app.state.metrics = metrics
     app.state.build_thread = None
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if allowed_origins is not None:  # outside BodyLimit: its 413 carries the CORS headers too
+        app.add_middleware(
+            CORS, **cors_options(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+        )
+    app.state.access_log = AccessLog() if access_log else None
+    app.add_middleware(RequestLog, log=app.state.access_log, skip=tuple(access_log_skip))  # outermost
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -173,7 +205,11 @@ def create_app(
             f"the server failed on {request.method} {request.url.path} ({type(exc).__name__}); "
             "this is a bug in the server, not in the request, and it is in the server's log"
         )
-        return APIError(500, message, type="server_error").response()
+        response = APIError(500, message, type="server_error").response()
+        rid = request_id_of(request)  # this answer is sent outside RequestLog, so the id goes on here
+        if rid is not None:
+            response.headers[REQUEST_ID_HEADER] = rid
+        return response
 
     key = api_key.encode() if api_key is not None else None
 
@@ -211,6 +247,10 @@ def create_app(
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models():
         eng = serving_engine()
@@ -243,7 +283,15 @@ def create_app(
         if req.echo:
             echo = await anyio.to_thread.run_sync(echo_texts, eng, prompts, prompt_ids)
         return await run(
-            state, eng, req, prompt_ids, chat=False, default_max=16, echo=echo, score_budget=max_score_entries
+            state,
+            eng,
+            req,
+            prompt_ids,
+            chat=False,
+            default_max=16,
+            echo=echo,
+            score_budget=max_score_entries,
+            request_id=request_id_of(request),
         )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
@@ -251,17 +299,84 @@ def create_app(
         eng = serving_engine()
         check_model(eng, req.model)
         check_supported(req)
-        messages = []
-        for m in req.messages:
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        messages = chat_messages(req.messages)
         check_fits(eng, sum(len(m["content"]) for m in messages), "messages")
         prompt_ids = await encode_all(eng, [messages], "messages")
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         return await run(
-            state, eng, req, prompt_ids, chat=True, default_max=None, score_budget=max_score_entries
+            state,
+            eng,
+            req,
+            prompt_ids,
+            chat=True,
+            default_max=None,
+            score_budget=max_score_entries,
+            request_id=request_id_of(request),
         )
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(req: TokenizeRequest):
+        eng = serving_engine()
+        check_model(eng, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            param = "prompt" if req.prompt is None else "messages"
+            raise APIError(
+                400,
+                "give either 'prompt' (a text) or 'messages' (a chat, rendered with the chat template), "
+                + ("not both" if req.prompt is not None else "one of them"),
+                param=param,
+            )
+        chat = req.messages is not None
+        param = "messages" if chat else "prompt"
+        tok = tokenizer_of(eng, param)
+        special = req.add_special_tokens if req.add_special_tokens is not None else not chat
+
+        def work() -> list[int]:
+            try:
+                if not chat:  # with special tokens, the completions endpoint's own way
+                    return eng.encode_prompt(req.prompt) if special else tok.encode(req.prompt, add_bos=False)
+                messages = chat_messages(req.messages)
+                if req.add_generation_prompt and not special:
+                    return eng.encode_prompt(messages)  # the chat endpoint's own way
+                text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+                return tok.encode(text, add_bos=None if special else False)
+            except (ValueError, NanoserveError) as e:
+                raise APIError(400, str(e), param=param) from None
+
+        ids = await anyio.to_thread.run_sync(work)
+        body = {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [tok.backend.id_to_token(t) for t in ids]
+        return body
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(req: DetokenizeRequest):
+        eng = serving_engine()
+        check_model(eng, req.model)
+        tok = tokenizer_of(eng, "tokens")
+
+        def work() -> str:
+            vocab = tok.vocab_size
+            for i, t in enumerate(req.tokens):
+                if not 0 <= t < vocab:
+                    raise APIError(
+                        400,
+                        f"tokens[{i}] is {t}, outside this model's vocabulary of {vocab} tokens "
+                        f"(ids 0 to {vocab - 1})",
+                        param="tokens",
+                    )
+            # special tokens kept (vLLM keeps them too), so detokenize(tokenize(x)) gives x back
+            return tok.decode(req.tokens, skip_special_tokens=False)
+
+        return {"prompt": await anyio.to_thread.run_sync(work)}
+
+    def tokenizer_of(eng: Engine, param: str):
+        if eng.tokenizer is None:
+            raise APIError(
+                400, "this server's engine has no tokenizer; it takes and gives token ids only", param=param
+            )
+        return eng.tokenizer
 
     def check_model(eng: Engine, name: str | None) -> None:
         if name is not None and name not in state.served_names:
@@ -321,3 +436,14 @@ def create_app(
         return out
 
     return app
+
+
+def chat_messages(messages) -> list[dict]:
+    """A request's `ChatMessage`s as the chat template takes them: a list of text parts joined,
+    no content as empty text, `developer` as `system`. Shared by the chat endpoint and /tokenize,
+    so /tokenize counts exactly the tokens a chat request would send."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out

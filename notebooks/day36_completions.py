@@ -86,8 +86,8 @@ def committed(name):
 # ## 1. The schema, and one response taken apart
 #
 # `nanoserve.api.CompletionRequest` is OpenAI's request body as a pydantic model, strict about
-# types. These are its fields and their defaults (a field the server parses but does not
-# implement, such as `suffix` or `logit_bias`, is refused when set, never ignored; that is
+# types. These are its fields and their defaults (a field the server does not implement, such
+# as `suffix` or another server's `typical_p`, is refused when set, never ignored; that is
 # Day 40's subject):
 
 # %%

@@ -25,13 +25,13 @@
 # a request in flight beside it is not touched, not even slowed.
 #
 # One class of bad input needs a decision rather than a check: a field this server parses but
-# does not implement, such as `min_p` or `logit_bias`. Ignoring it would answer a different
-# question from the one asked, with a 200. `nanoserve.api.check_supported` refuses any such
-# field set to anything but the value that changes nothing; a field that changes nothing
-# (`user`) is accepted.
+# does not implement, such as `typical_p` or `use_beam_search`. Ignoring it would answer a
+# different question from the one asked, with a 200. `nanoserve.api.check_supported` refuses
+# any such field set to anything but the value that changes nothing; a field that changes
+# nothing (`user`) is accepted.
 #
 # 1. a few plain lines of validation of our own, against the server's answers,
-# 2. the day's table (`days/day40/badinput.py`): 39 requests, the status and error object each
+# 2. the day's table (`days/day40/badinput.py`): 40 requests, the status and error object each
 #    gets, sent while two healthy streams are in flight and the engine is held,
 # 3. the healthy streams, and a request with a temperature of 1e-39 beside them,
 # 4. a planted server whose `check_supported` lets everything through, caught,
@@ -94,7 +94,7 @@ def committed(name):
 # %%
 RANGES = {"temperature": (0, 2), "top_p": (0, 1), "n": (1, 16), "logprobs": (0, 20), "seed": (0, 2**64 - 1)}
 TYPES = {"max_tokens": int, "n": int, "echo": bool, "temperature": (int, float)}
-REFUSED = ("min_p", "repetition_penalty", "presence_penalty", "logit_bias", "suffix")
+REFUSED = ("typical_p", "mirostat", "use_beam_search", "length_penalty", "suffix")
 
 
 def my_check(body):
@@ -132,7 +132,10 @@ print(f"my_check agrees with the server on {covered} cases")
 # %% [markdown]
 # The rest of the table needs more than the body: the context length, the tokenizer, the model's
 # name, the routes, and the body's size before it is read. Those checks live in the server
-# (`nanoserve/serve.py`), in the order a request meets them.
+# (`nanoserve/serve.py`), in the order a request meets them. One more row is left to the engine
+# on purpose: the sampling fields the server implements (`min_p`, the penalties, `logit_bias`)
+# have their ranges checked by `SamplingParams.validate`, the engine's own check, so the server
+# cannot accept a value the engine would refuse (the row `min_p above 1`, under `limits`).
 #
 # ## 2. The table
 #
@@ -199,15 +202,16 @@ else:
     raise AssertionError("check_statuses passed on a server that ignores unsupported fields")
 changed = badinput.planted_rows(rows, planted)
 for r in changed:
-    print(f"  {r['case']:<32} {r['status']} -> {r['planted_status']}")
+    print(f"  {r['case']:<36} {r['status']} -> {r['planted_status']}")
 assert [[str(v) for v in r.values()] for r in changed] == [list(r.values()) for r in committed("planted")]
 
 # %% [markdown]
 # Eight requests that asked for something this server cannot do got a 200 and an answer to a
-# different question: no penalty applied, no bias, free text where JSON was asked for, no tool
-# call. A client cannot tell from the response. That is why the field is refused rather than
-# ignored, and why the refusal lists the other servers' names for such fields too
-# (`ANSWER_CHANGING` in `nanoserve/api.py`).
+# different question: plain sampling where typical or mirostat sampling was asked for, one
+# sample where a beam search was, free text where JSON was asked for, no tool call. A client
+# cannot tell from the response. That is why the field is refused rather than ignored, and why
+# the refusal lists the other servers' names for such fields too (`ANSWER_CHANGING` in
+# `nanoserve/api.py`).
 #
 # ## 5. The diagram
 
@@ -276,4 +280,6 @@ display(Image(filename=str(path)))
 #    413, and `check_statuses` names it.
 # 3. **Accept a field on purpose.** Remove `"user"` from the harmless case and add `"metadata":
 #    {"a": "b"}` instead. Predict: 200, since `metadata` is not in `ANSWER_CHANGING`. Then add
-#    `"min_tokens": 3` and predict the 400 and its message.
+#    `"typical_p": 0.5` and predict the 400, its `param` and its message. Last, swap it for
+#    `"min_tokens": 3`, a field the server does implement, and predict why this case still gets
+#    a 400 (look at its `max_tokens`) and which field the message names.

@@ -38,8 +38,8 @@
 #
 # The engine runs with today's defaults: the budget schedule (day 57), decode attention `auto`
 # (day 58's native kernel where it builds), linears `auto` (day 59's packed ones where oneDNN
-# can), fp32 weights and K/V. A Gemma block runs as torch ops: day 61's fused decode step is
-# written for a Llama's block, and `Gemma3.fused_status` says so.
+# can), fp32 weights and K/V. Its decode steps run as torch ops: `decode_step="auto"` fuses
+# them into one native call (day 61) only for quantized weights, and these are fp32.
 
 # %%
 import csv

@@ -175,3 +175,51 @@ def test_the_default_path_is_the_gguf_with_int8_activations_on_a_cpu(monkeypatch
     assert resolved("--weights", "dtype", "--no-capture") == (None, "fp32", False)
     monkeypatch.setenv("WORLD_SIZE", "2")  # tensor parallelism keeps the dtype's weights
     assert resolved() == (None, "fp32", True)
+
+
+def test_serve_http_options_parse_and_refuse_mistakes_in_one_line():
+    """The serve flags of the HTTP operations (cli.http_options): the access log on by default,
+    CORS off by default, origins as a JSON list or a comma list; a malformed one, an origin a
+    browser never sends, or a CORS detail without origins is one line before anything loads."""
+    from nanoserve.cli import build_parser, http_options
+
+    def options(*argv):
+        return http_options(build_parser().parse_args(["serve", *argv]))
+
+    default = options()
+    assert default["access_log"] is True and default["access_log_skip"] == ()
+    assert default["allowed_origins"] is None and default["allow_credentials"] is False
+    assert options("--no-access-log")["access_log"] is False
+    assert options("--disable-uvicorn-access-log")["access_log"] is False  # vLLM's name
+    skip = options("--disable-access-log-for-endpoints", "/health,/metrics")["access_log_skip"]
+    assert skip == ("/health", "/metrics")
+    origins = ["https://app.example", "http://localhost:3000"]
+    assert options("--allowed-origins", json.dumps(origins))["allowed_origins"] == origins
+    cors = options(
+        "--allowed-origins",
+        ",".join(origins),
+        "--allowed-methods",
+        "GET,POST",
+        "--allowed-headers",
+        '["Authorization"]',
+        "--allow-credentials",
+    )
+    assert cors["allowed_origins"] == origins and cors["allowed_methods"] == ["GET", "POST"]
+    assert cors["allowed_headers"] == ["Authorization"] and cors["allow_credentials"] is True
+    help_text = nanoserve("serve", "--help").stdout
+    for flag in [
+        "--allowed-origins",
+        "--allowed-methods",
+        "--allowed-headers",
+        "--allow-credentials",
+        "--no-access-log",
+        "--disable-access-log-for-endpoints",
+    ]:
+        assert flag in help_text, flag
+    for argv, words in [
+        (["--allowed-origins", "app.example"], ["--allowed-origins", "'app.example' is not an origin"]),
+        (["--allowed-origins", "[not json"], ["--allowed-origins", "JSON list"]),
+        (["--allowed-methods", "GET"], ["--allowed-methods", "--allowed-origins"]),
+        (["--disable-access-log-for-endpoints", "health"], ["takes paths such as /health"]),
+    ]:
+        assert_one_line_error(nanoserve("serve", *argv), *words)

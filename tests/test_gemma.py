@@ -369,7 +369,8 @@ def test_gemma_logits_match_transformers_gguf_loader(gemma, gemma_prompts):
 @pytest.mark.slow
 def test_gemma_greedy_tokens_through_the_engine_match_transformers(gemma, gemma_prompts):
     """16 greedy tokens after each prompt, the two rows in one paged engine (its sliding layers
-    on their own blocks), equal to transformers' generate, or parting at a near-tie of ours."""
+    on their own blocks, its decode steps fused where the native kernels built), equal to
+    transformers' generate, or parting at a near-tie of ours."""
     from tests.test_engine import check_same_or_near_tie
 
     model_dir, gguf, hf, _ = gemma
@@ -377,6 +378,9 @@ def test_gemma_greedy_tokens_through_the_engine_match_transformers(gemma, gemma_
     prompts = list(gemma_prompts.values())
     engine = Engine(ours, None, EngineConfig(max_batch=2, max_model_len=2048))
     assert engine.window_blocks is not None
+    from tests.test_qwen import native_built
+
+    assert engine.decode_step == ("fused" if native_built() else "ops")  # decode as one native call
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
     ties = []
     for ids, out in zip(prompts, outs):
@@ -455,3 +459,68 @@ def test_gemma_served_a_base_model_refuses_chat_with_a_sentence_and_completes(ge
                     model=engine.model_name, messages=messages, max_tokens=4, temperature=0
                 )
                 assert answer.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("window_blocks", [True, False])
+def test_the_fused_step_runs_a_gemma_block(tiny_gemma3, window_blocks):
+    """Decode steps as one native call (day 61's step with Gemma's switches): rows of 5, 17 and
+    40 prompt tokens decoding 20 past the window of 8, on the sliding layers' own blocks and on
+    shared slots, give the ops path's tokens; the same call with any one switch taken away (the
+    two extra norms, GELU, the sliding layers' window, their rotary tables, the query scale, the
+    embedding's scale) gives other tokens, so each switch is checked."""
+    from tests.test_qwen import native_built
+
+    if not native_built():
+        pytest.skip("the native kernels did not build")
+    _, model_dir = tiny_gemma3
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    config = dict(attention="native", window_blocks=window_blocks)
+    ops, _ = engine_tokens(load_model(model_dir), prompts, 20, decode_step="ops", **config)
+    model = load_model(model_dir)  # the ops engine packed its linears for oneDNN
+    assert model.fused_status() is None
+    fused, engine = engine_tokens(model, prompts, 20, decode_step="fused", **config)
+    assert engine.decode_step == "fused" and (engine.window_blocks is not None) == window_blocks
+    assert fused == ops
+    extra = model._fused[-1]
+    planted = {
+        "out_norms": [],
+        "gelu": False,
+        "sliding": [0] * len(extra["sliding"]),
+        "attn_scale": 0.0,
+        "embed_scale": 1.0,
+    }
+    for name, value in planted.items():
+        kept, extra[name] = extra[name], value
+        if name == "sliding" and window_blocks:  # every layer read as global: the sliding pools are too small
+            with pytest.raises(RuntimeError, match="outside the pools"):
+                engine_tokens(model, prompts, 20, decode_step="fused", **config)
+        else:
+            wrong, _ = engine_tokens(model, prompts, 20, decode_step="fused", **config)
+            assert wrong != ops, name
+        extra[name] = kept
+    tables = model.cos_local, model.sin_local
+    model.cos_local, model.sin_local = model.cos, model.sin  # the global layers' base for all
+    wrong, _ = engine_tokens(model, prompts, 20, decode_step="fused", **config)
+    model.cos_local, model.sin_local = tables
+    assert wrong != ops, "rotary tables"
+
+
+@pytest.mark.slow
+def test_gemma_fused_step_gives_the_ops_tokens_on_the_gguf(gemma, gemma_prompts):
+    """Gemma 3 270M from its Q4_K_M file, fp32 activations: two prompts (14 and 700 tokens, the
+    long one past every sliding window) decoded together, 24 greedy tokens each, as
+    one native call a step and as torch ops, on the sliding layers' own blocks: the same tokens.
+    (With int8 activations the two part where rounding re-rolls the int8 error: the README.)"""
+    from tests.test_qwen import native_built
+
+    if not native_built():
+        pytest.skip("the native kernels did not build")
+    model_dir, gguf, _, _ = gemma
+    prompts = [gemma_prompts["short"], gemma_prompts["long"][:700]]
+    model, got = gguf_model(gguf, model_dir), {}
+    for step in ("fused", "ops"):
+        engine = Engine(model, None, EngineConfig(max_batch=2, max_model_len=2048, decode_step=step))
+        assert engine.decode_step == step and engine.window_blocks is not None
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+        got[step] = [o.token_ids for o in outs]
+    assert got["fused"] == got["ops"]

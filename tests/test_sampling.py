@@ -1,4 +1,5 @@
-"""The sampler: greedy, temperature, top-k, top-p, seeds, and bad parameters."""
+"""The sampler: greedy, temperature, top-k, top-p, min-p, seeds, and bad parameters (the
+penalties, logit_bias and the min_tokens mask: tests/test_penalties.py)."""
 
 import pytest
 import torch
@@ -68,11 +69,14 @@ def test_a_seeded_row_does_not_depend_on_its_batch():
         (dict(top_k=-1), "top_k"),
         (dict(stop=("",)), "stop"),
         (dict(seed="x"), "seed"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(min_p=2.0), "min_p"),
     ],
 )
 def test_bad_params_are_a_sentence(kwargs, words):
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(ValueError, match=words) as e:
         SamplingParams(**kwargs).validate()
+    assert e.value.param == words  # the field the server's 400 names
 
 
 def test_good_params_pass_and_a_single_stop_string_becomes_a_tuple():
@@ -84,21 +88,28 @@ def test_good_params_pass_and_a_single_stop_string_becomes_a_tuple():
 @given(
     st.integers(0, 2**31 - 1),
     st.lists(
-        st.tuples(st.integers(0, 70), st.sampled_from([1.0, 0.9, 0.5, 0.05, 1e-9])), min_size=1, max_size=6
+        st.tuples(
+            st.integers(0, 70),
+            st.sampled_from([1.0, 0.9, 0.5, 0.05, 1e-9]),
+            st.sampled_from([0.0, 0.0, 0.02, 0.3, 1.0]),
+        ),
+        min_size=1,
+        max_size=6,
     ),
 )
 def test_the_batched_filter_keeps_what_the_one_row_filter_keeps(seed, settings_):
-    """filter_batch against filter_logits, row by row, each row under its own top-k and top-p;
-    ties are made on purpose (rounded logits), where an order-dependent filter would differ."""
+    """filter_batch against filter_logits, row by row, each row under its own min-p, top-k and
+    top-p; ties are made on purpose (rounded logits), where an order-dependent filter would
+    differ."""
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(len(settings_), 64, generator=g) * 3).round()
-    ks, ps = [k for k, _ in settings_], [p for _, p in settings_]
+    ks, ps, ms = ([s[j] for s in settings_] for j in range(3))
     from nanoserve.sampling import filter_batch
 
-    got = filter_batch(logits, ks, ps)
-    for i, (k, p) in enumerate(settings_):
-        want = filter_logits(logits[i], k, p)
-        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), (k, p)
+    got = filter_batch(logits, ks, ps, ms)
+    for i, (k, p, m) in enumerate(settings_):
+        want = filter_logits(logits[i], k, p, m)
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), (k, p, m)
 
 
 def test_the_batched_filter_check_fails_on_a_shared_k():

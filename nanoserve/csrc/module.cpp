@@ -15,11 +15,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "W as fp32, (out, in)");
   m.def("embed_rows", &embed_rows, "rows ids of W as fp32, (len(ids), in)", py::arg("ids"), py::arg("w"),
         py::arg("kind"), py::arg("in_features"), py::arg("rows") = -1);
-  m.def("fused_decode", &fused_decode, "one whole decode step of a Llama or Qwen in one call (CPU)",
+  m.def("fused_decode", &fused_decode, "one whole decode step of a Llama, Qwen or Gemma 3 in one call (CPU)",
         py::arg("ids"), py::arg("positions"), py::arg("write_slots"), py::arg("window"), py::arg("context_lens"),
         py::arg("mats"), py::arg("kinds"), py::arg("norms"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos"),
         py::arg("sin"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
         py::arg("vocab"), py::arg("eps"), py::arg("int8"), py::arg("parts") = std::vector<int64_t>(),
         py::arg("part_rows") = std::vector<int64_t>(), py::arg("biases") = std::vector<torch::Tensor>(),
-        py::arg("qk_norms") = std::vector<torch::Tensor>());
+        py::arg("qk_norms") = std::vector<torch::Tensor>(), py::arg("out_norms") = std::vector<torch::Tensor>(),
+        py::arg("gelu") = false, py::arg("embed_scale") = 1.0, py::arg("attn_scale") = 0.0,
+        py::arg("sliding") = std::vector<int64_t>(), py::arg("local") = std::vector<torch::Tensor>());
 }

@@ -35,7 +35,9 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                            int64_t vocab, double eps, bool int8, std::vector<int64_t> parts = {},
                            std::vector<int64_t> part_rows = {}, std::vector<torch::Tensor> biases = {},
-                           std::vector<torch::Tensor> qk_norms = {});
+                           std::vector<torch::Tensor> qk_norms = {}, std::vector<torch::Tensor> out_norms = {},
+                           bool gelu = false, double embed_scale = 1.0, double attn_scale = 0.0,
+                           std::vector<int64_t> sliding = {}, std::vector<torch::Tensor> local = {});
 
 // kquant.cpp: the other block types of K-quant files (kinds 7-12: Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 bool is_kq_kind(int64_t kind);

@@ -33,7 +33,11 @@
 // the head. One call from Python instead of ~2,000 torch operations a step. It checks all its
 // inputs before it writes anything: every norm's length, every layer's K/V pools (shape, dtype,
 // device) and the write and read slots against the smallest of them, every matrix's size, and the
-// window once (check_window, paged_attention.cpp), which the layers then share.
+// window once (check_window, paged_attention.cpp), which the layers then share. A Gemma 3 step
+// (phase 6) is the same walk with its switches: the embedding scaled, a norm after attention and
+// after the MLP (out_norms), GELU for SiLU, its own query scale, and its sliding blocks writing and
+// reading their own slots and window with their own rotary tables (`local`), which Python cuts
+// and maps once a step as the ops path does (cache.py's `_latest` and `local_of`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -697,6 +701,27 @@ inline void silu_mul(const float* g, const float* u, float* a, int64_t n) {
   for (; i < n; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+// a = gelu_tanh(g) * u over n values. GELU's tanh approximation, 0.5 g (1 + tanh(y)) with
+// y = sqrt(2 / pi) (g + 0.044715 g^3), is g / (1 + exp(-2y)): the same identity as SiLU's, so the
+// same exp (Gemma's MLP; torch's F.gelu(approximate="tanh") to within a few ulp).
+inline void gelu_mul(const float* g, const float* u, float* a, int64_t n) {
+  constexpr float k = 1.5957691216057308f;  // 2 sqrt(2 / pi)
+  int64_t i = 0;
+#ifdef NANOSERVE_QVNNI512
+  const __m512 one = _mm512_set1_ps(1.0f), nk = _mm512_set1_ps(-k), c = _mm512_set1_ps(0.044715f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(c, gv), _mm512_mul_ps(gv, gv), gv);  // g + c g^3
+    const __m512 e = exp16(_mm512_mul_ps(nk, inner));
+    _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float inner = g[i] + 0.044715f * g[i] * g[i] * g[i];
+    a[i] = g[i] / (1.0f + std::exp(-k * inner)) * u[i];
+  }
+}
+
 void rms_norm(const float* x, const float* weight, int64_t m, int64_t h, double eps, float* out) {
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * h;
@@ -797,7 +822,9 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                            int64_t vocab, double eps, bool int8, std::vector<int64_t> parts,
                            std::vector<int64_t> part_rows, std::vector<torch::Tensor> biases,
-                           std::vector<torch::Tensor> qk_norms) {
+                           std::vector<torch::Tensor> qk_norms, std::vector<torch::Tensor> out_norms, bool gelu,
+                           double embed_scale, double attn_scale, std::vector<int64_t> sliding,
+                           std::vector<torch::Tensor> local) {
   // Everything is checked here, before the first K/V write: an error leaves the pools as they were.
   const int64_t layers = static_cast<int64_t>(k_pools.size()), slots_n = 4 * layers + 2;
   if (parts.empty()) parts.assign(slots_n, 1);
@@ -817,6 +844,20 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
               "biases: none, or one QKV bias a block");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
               "qk_norms: none, or a query and a key norm a block");
+  TORCH_CHECK(out_norms.empty() || static_cast<int64_t>(out_norms.size()) == 2 * layers,
+              "out_norms: none, or a norm after attention and one after the MLP a block");
+  TORCH_CHECK(sliding.empty() || static_cast<int64_t>(sliding.size()) == layers,
+              "sliding: none, or one flag a block (1: the block reads the local window)");
+  auto is_sliding = [&](int64_t l) { return !sliding.empty() && sliding[l] != 0; };
+  bool any_sliding = false;
+  for (int64_t l = 0; l < static_cast<int64_t>(sliding.size()); ++l) any_sliding = any_sliding || is_sliding(l);
+  TORCH_CHECK(local.empty() || local.size() == 5,
+              "local: none, or the sliding blocks' write slots, window, context lengths, cos and sin");
+  TORCH_CHECK(!any_sliding || !local.empty(),
+              "sliding blocks need local: their write slots, window, context lengths and rotary tables");
+  TORCH_CHECK(std::isfinite(embed_scale) && embed_scale > 0, "embed_scale is a positive number, not ", embed_scale);
+  TORCH_CHECK(std::isfinite(attn_scale) && attn_scale >= 0,
+              "attn_scale is positive (or 0: head_dim ** -0.5), not ", attn_scale);
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * layers + 1) && v_pools.size() == k_pools.size(),
               "norms: two a block and the final one; one K and one V pool a block");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads (", heads,
@@ -841,6 +882,11 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                     norms[i].device().is_cpu() && norms[i].numel() == hidden,
                 "norm ", i, " is ", norms[i].numel(), " ", norms[i].scalar_type(), " on ", norms[i].device(),
                 "; every norm is ", hidden, " contiguous float32 on the CPU");
+  for (size_t i = 0; i < out_norms.size(); ++i)
+    TORCH_CHECK(out_norms[i].scalar_type() == torch::kFloat && out_norms[i].is_contiguous() &&
+                    out_norms[i].device().is_cpu() && out_norms[i].numel() == hidden,
+                "out norm ", i, " is ", out_norms[i].numel(), " ", out_norms[i].scalar_type(), " on ",
+                out_norms[i].device(), "; every norm is ", hidden, " contiguous float32 on the CPU");
   ids = ids.contiguous();
   positions = positions.contiguous();
   write_slots = write_slots.contiguous();
@@ -851,8 +897,31 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
   const DecodeWindow checked = check_window(window, context_lens, /*copy=*/false);  // read within this call
   TORCH_CHECK(checked.window.size(0) == b, "one window row a row: ", b, " rows, ", checked.window.size(0),
               " window rows");
-  // The pools: every layer's, each K and V of one shape; the fewest slots bound every write and read.
-  int64_t fewest = std::numeric_limits<int64_t>::max(), fewest_layer = -1;
+  // The sliding blocks' own slots, window and rotary tables (Gemma 3's local layers): checked as
+  // the full blocks' are.
+  const int64_t* local_slots = nullptr;
+  const float *local_cp = nullptr, *local_sp = nullptr;
+  DecodeWindow local_checked;
+  if (!local.empty()) {
+    TORCH_CHECK(local[0].scalar_type() == torch::kLong && local[0].device().is_cpu() && local[0].is_contiguous() &&
+                    local[0].numel() == b,
+                "the sliding blocks' write slots are ", b, " contiguous int64 on the CPU, one a row");
+    local_checked = check_window(local[1], local[2], /*copy=*/false);
+    TORCH_CHECK(local_checked.window.size(0) == b, "one sliding window row a row: ", b, " rows, ",
+                local_checked.window.size(0), " window rows");
+    for (int64_t t = 3; t < 5; ++t)
+      TORCH_CHECK(local[t].scalar_type() == torch::kFloat && local[t].device().is_cpu() && local[t].is_contiguous() &&
+                      local[t].dim() == 2 && local[t].sizes() == cos.sizes(),
+                  "the sliding blocks' rotary tables are contiguous float32 ", cos.sizes(), " on the CPU, not ",
+                  local[t].sizes());
+    local_slots = local[0].data_ptr<int64_t>();
+    local_cp = local[3].data_ptr<float>();
+    local_sp = local[4].data_ptr<float>();
+  }
+  // The pools: every layer's, each K and V of one shape; in each group (full, sliding) the fewest
+  // slots bound every write and read.
+  int64_t fewest[2] = {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max()};
+  int64_t fewest_layer[2] = {-1, -1};
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor &kp = k_pools[l], &vp = v_pools[l];
     TORCH_CHECK(kp.scalar_type() == torch::kFloat && vp.scalar_type() == torch::kFloat && kp.is_contiguous() &&
@@ -861,20 +930,27 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                 "layer ", l, "'s K/V pools are ", kp.sizes(), " and ", vp.sizes(),
                 "; each is contiguous float32 (slots, kv_heads = ", kv_heads, ", head_dim = ", head_dim,
                 ") on the CPU");
-    if (kp.size(0) < fewest) {
-      fewest = kp.size(0);
-      fewest_layer = l;
+    const int g = is_sliding(l) ? 1 : 0;
+    if (kp.size(0) < fewest[g]) {
+      fewest[g] = kp.size(0);
+      fewest_layer[g] = l;
     }
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slots = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < b; ++r) {
     TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "position ", pos[r], " is past the rotary tables");
-    TORCH_CHECK(slots[r] >= 0 && (layers == 0 || slots[r] < fewest), "row ", r, " writes slot ", slots[r],
-                ", outside the pools (layer ", fewest_layer, "'s hold ", fewest, ")");
+    TORCH_CHECK(slots[r] >= 0 && (fewest_layer[0] < 0 || slots[r] < fewest[0]), "row ", r, " writes slot ",
+                slots[r], ", outside the pools (layer ", fewest_layer[0], "'s hold ", fewest[0], ")");
+    TORCH_CHECK(local_slots == nullptr || (local_slots[r] >= 0 && (fewest_layer[1] < 0 || local_slots[r] < fewest[1])),
+                "row ", r, " writes sliding slot ", local_slots == nullptr ? 0 : local_slots[r],
+                ", outside the sliding pools (layer ", fewest_layer[1], "'s hold ", fewest[1], ")");
   }
-  TORCH_CHECK(layers == 0 || checked.reach <= fewest, "row ", checked.widest_row, " reads slot ",
-              checked.reach - 1, ", outside the pools (layer ", fewest_layer, "'s hold ", fewest, ")");
+  TORCH_CHECK(fewest_layer[0] < 0 || checked.reach <= fewest[0], "row ", checked.widest_row, " reads slot ",
+              checked.reach - 1, ", outside the pools (layer ", fewest_layer[0], "'s hold ", fewest[0], ")");
+  TORCH_CHECK(fewest_layer[1] < 0 || local_checked.reach <= fewest[1], "row ", local_checked.widest_row,
+              " reads sliding slot ", local_checked.reach - 1, ", outside the sliding pools (layer ",
+              fewest_layer[1], "'s hold ", fewest[1], ")");
   for (size_t i = 0; i < biases.size(); ++i)
     TORCH_CHECK(biases[i].scalar_type() == torch::kFloat && biases[i].is_contiguous() && biases[i].device().is_cpu() &&
                     biases[i].numel() == qkv_size,
@@ -916,10 +992,17 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
   float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>();
   float *gup = gu.data_ptr<float>(), *ap = act.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const double scale = attn_scale > 0 ? attn_scale : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  if (embed_scale != 1.0) {  // Gemma's sqrt(hidden), rounded to fp32 first as transformers does
+    const float e = static_cast<float>(embed_scale);
+    for (int64_t i = 0; i < b * hidden; ++i) xp[i] *= e;
+  }
 
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor &kp = k_pools[l], &vp = v_pools[l];
+    const bool sl = is_sliding(l);
+    const int64_t* wslots = sl ? local_slots : slots;
+    const float *lcp = sl ? local_cp : cp, *lsp = sl ? local_sp : sp;
     rms_norm(xp, norms[2 * l].data_ptr<float>(), b, hidden, eps, hp);
     const Stack &w_o = weight(2 + 4 * l), &w_gu = weight(3 + 4 * l), &w_down = weight(4 + 4 * l);
     const Stack& w_next = weight(5 + 4 * l);  // the next block's QKV, or after the last block the head
@@ -934,7 +1017,7 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
         rms_norm(row, qk_norms[2 * l].data_ptr<float>(), heads, head_dim, eps, row);
         rms_norm(row + q_size, qk_norms[2 * l + 1].data_ptr<float>(), kv_heads, head_dim, eps, row + q_size);
       }
-      const float *c = cp + pos[r] * head_dim, *s = sp + pos[r] * head_dim;
+      const float *c = lcp + pos[r] * head_dim, *s = lsp + pos[r] * head_dim;
       for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
         float* v = row + hh * head_dim;
         for (int64_t i = 0; i < half; ++i) {
@@ -944,20 +1027,25 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
         }
       }
       std::memcpy(qp + r * q_size, row, q_size * 4);
-      std::memcpy(kp.data_ptr<float>() + slots[r] * kv_size, row + q_size, kv_size * 4);
-      std::memcpy(vp.data_ptr<float>() + slots[r] * kv_size, row + q_size + kv_size, kv_size * 4);
+      std::memcpy(kp.data_ptr<float>() + wslots[r] * kv_size, row + q_size, kv_size * 4);
+      std::memcpy(vp.data_ptr<float>() + wslots[r] * kv_size, row + q_size + kv_size, kv_size * 4);
     }
-    torch::Tensor attn = decode_attention_checked(q, kp, vp, checked, scale);  // (B, heads, hd)
+    torch::Tensor attn = decode_attention_checked(q, kp, vp, sl ? local_checked : checked, scale);  // (B, heads, hd)
     matmul_stack(attn.data_ptr<float>(), b, w_o, tp, int8, &w_gu);
+    if (!out_norms.empty()) rms_norm(tp, out_norms[2 * l].data_ptr<float>(), b, hidden, eps, tp);  // Gemma's
     for (int64_t i = 0; i < b * hidden; ++i) xp[i] += tp[i];
     rms_norm(xp, norms[2 * l + 1].data_ptr<float>(), b, hidden, eps, hp);
     matmul_stack(hp, b, w_gu, gup, int8, &w_down);
     for (int64_t r = 0; r < b; ++r) {
       const float *g = gup + r * 2 * intermediate, *u = g + intermediate;
       float* a = ap + r * intermediate;
-      silu_mul(g, u, a, intermediate);
+      if (gelu)
+        gelu_mul(g, u, a, intermediate);
+      else
+        silu_mul(g, u, a, intermediate);
     }
     matmul_stack(ap, b, w_down, tp, int8, &w_next);
+    if (!out_norms.empty()) rms_norm(tp, out_norms[2 * l + 1].data_ptr<float>(), b, hidden, eps, tp);
     for (int64_t i = 0; i < b * hidden; ++i) xp[i] += tp[i];
   }
   rms_norm(xp, norms[2 * layers].data_ptr<float>(), b, hidden, eps, hp);

@@ -275,39 +275,7 @@ class Llama(nn.Module):
         from nanoserve.kernels import native
 
         if self._fused is None:
-            mats, kinds, parts, part_rows = [], [], [], []
-
-            def add(w):
-                pieces = w.parts if isinstance(w, RowStack) else [w]  # a stack as its parts
-                parts.append(len(pieces))
-                for p in pieces:
-                    if isinstance(p, QuantTensor):
-                        mats.append(p.blocks), kinds.append(p.code)
-                    else:
-                        mats.append(p.detach().contiguous()), kinds.append(0)
-                    part_rows.append(p.shape[0])
-
-            add(self.embed)
-            norms, biases, qk_norms = [], [], []
-            for b in self.blocks:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    add(getattr(b, name))
-                norms += [b.input_norm.detach(), b.post_norm.detach()]
-                if b.qkv_bias is not None:  # Qwen2's
-                    biases.append(b.qkv_bias.detach().contiguous())
-                if b.q_norm is not None:  # Qwen3's
-                    qk_norms += [b.q_norm.detach().contiguous(), b.k_norm.detach().contiguous()]
-            add(self.head)
-            norms.append(self.norm.detach())
-            int8 = isinstance(self.head, QuantTensor) and self.head.activations == "int8"
-            stacked = {}  # only what differs from a Llama's one tensor a matrix: its call stays as it was
-            if len(mats) != len(parts):
-                stacked.update(parts=parts, part_rows=part_rows)
-            if biases:
-                stacked["biases"] = biases
-            if qk_norms:
-                stacked["qk_norms"] = qk_norms
-            self._fused = (mats, kinds, norms, int8, stacked)
+            self._fused = self._fused_operands()
         mats, kinds, norms, int8, stacked = self._fused
         cache.ensure_pools()
         cfg = self.cfg
@@ -333,6 +301,44 @@ class Llama(nn.Module):
             int8,
             **stacked,
         )
+
+    def _fused_operands(self) -> tuple:
+        """The fused step's operand lists, built once: every matrix as its tensors and kinds (a
+        stacked one as its parts), the norms, whether activations are int8, and the keyword
+        arguments only some families pass (a Llama's call stays as day 61 made it)."""
+        mats, kinds, parts, part_rows = [], [], [], []
+
+        def add(w):
+            pieces = w.parts if isinstance(w, RowStack) else [w]  # a stack as its parts
+            parts.append(len(pieces))
+            for p in pieces:
+                if isinstance(p, QuantTensor):
+                    mats.append(p.blocks), kinds.append(p.code)
+                else:
+                    mats.append(p.detach().contiguous()), kinds.append(0)
+                part_rows.append(p.shape[0])
+
+        add(self.embed)
+        norms, biases, qk_norms = [], [], []
+        for b in self.blocks:
+            for name in ("qkv", "o", "gate_up", "down"):
+                add(getattr(b, name))
+            norms += [b.input_norm.detach(), b.post_norm.detach()]
+            if b.qkv_bias is not None:  # Qwen2's
+                biases.append(b.qkv_bias.detach().contiguous())
+            if b.q_norm is not None:  # Qwen3's
+                qk_norms += [b.q_norm.detach().contiguous(), b.k_norm.detach().contiguous()]
+        add(self.head)
+        norms.append(self.norm.detach())
+        int8 = isinstance(self.head, QuantTensor) and self.head.activations == "int8"
+        stacked = {}  # only what differs from a Llama's one tensor a matrix: its call stays as it was
+        if len(mats) != len(parts):
+            stacked.update(parts=parts, part_rows=part_rows)
+        if biases:
+            stacked["biases"] = biases
+        if qk_norms:
+            stacked["qk_norms"] = qk_norms
+        return mats, kinds, norms, int8, stacked
 
     # --- loading ---------------------------------------------------------------------------
 
