@@ -16,7 +16,7 @@ than silently replaced, which would break the client's correlation without telli
 `AccessLog`, the same middleware writes one line per request to stderr as the answer's last bytes
 go out (a stream's: its last event), with the client, method, path, status, duration and id:
 
-    nanoserve: 127.0.0.1:51234 "GET /version" 200 0.5ms request_id=6ae571ab29e84ea2a689313bf73352f2
+    nanoserve: 127.0.0.1:51234 "GET /version" 200 0.5ms request_id=6ae571ab29e84ea2a689313b
 
 The line is written by a thread of its own from a bounded queue: a stderr that nobody reads (a
 pipe a parent drains only at the end) would otherwise block the event loop, and every request
@@ -152,7 +152,8 @@ class RequestLog:
         start = time.perf_counter()
         given = Headers(scope=scope).get(REQUEST_ID_HEADER)
         usable = given is not None and len(given) <= MAX_REQUEST_ID and _REQUEST_ID.fullmatch(given)
-        rid = given if usable else uuid.uuid4().hex
+        # made here: 24 hex digits (96 random bits), the answer ids' length before request ids existed
+        rid = given if usable else uuid.uuid4().hex[:24]
         scope.setdefault("state", {})["request_id"] = rid
         status, logged = None, False
 

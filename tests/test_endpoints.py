@@ -235,12 +235,12 @@ def test_x_request_id_is_echoed_on_every_response_and_made_when_absent(tiny_engi
         for a in answers:
             assert a.headers["x-request-id"] == "trace-42/abc", a.url
         made = [httpx.get(url + "/version").headers["x-request-id"] for _ in range(2)]
-        assert all(re.fullmatch(r"[0-9a-f]{32}", m) for m in made) and made[0] != made[1]
+        assert all(re.fullmatch(r"[0-9a-f]{24}", m) for m in made) and made[0] != made[1]
         # an id that cannot be echoed safely is refused by name, and the answer carries a new one
         for bad in ["has space", "x" * 257, "tab\there"]:
             r = httpx.get(url + "/health", headers={"X-Request-Id": bad})
             assert_error(r, 400, "X-Request-Id", "X-Request-Id", "visible ASCII")
-            assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+            assert re.fullmatch(r"[0-9a-f]{24}", r.headers["x-request-id"])
         # a route that fails unexpectedly answers 500 outside the middleware: the id is still on it
         monkeypatch.setattr(tiny_engine, "encode_prompt", lambda p: 1 / 0)
         r = httpx.post(url + "/v1/completions", json=body, headers=sent)
@@ -293,7 +293,7 @@ def test_the_access_log_writes_one_line_per_request(tiny_engine, capfd):
         r'nanoserve: 127\.0\.0\.1:\d+ "GET /health" 200 \d+\.\dms request_id=probe-1',
         health,
     ), health
-    assert '"POST /v1/completions" 400 ' in bad and re.search(r"request_id=[0-9a-f]{32}$", bad)
+    assert '"POST /v1/completions" 400 ' in bad and re.search(r"request_id=[0-9a-f]{24}$", bad)
     assert '"GET /forged%0anANOSERVE:%20FAKE" 404 '.lower() in forged.lower() and "\n" not in forged
     assert '"POST /v1/completions" 200 ' in ok and ok.endswith(f"request_id={r.headers['x-request-id']}")
 

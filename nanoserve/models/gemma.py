@@ -15,7 +15,7 @@ or a method here, read from transformers' `Gemma3ForCausalLM` and llama.cpp's `g
 
 The fused decode step (day 61's one native call) runs a Gemma block with these switches passed
 to it: the scale, the two extra norms, GELU, the query scale, and for the sliding layers their
-own write slots, window and rotary tables (`fused_decode` below).
+own write slots, window and rotary tables (`_fused_step_args` below).
 
 The head is the embedding (tied): Gemma 3 270M's 262,144 x 640 matrix is 168M of its 268M
 parameters. The query scale is query_pre_attn_scalar ** -0.5 (256 for 270M, equal to head_dim).
@@ -116,51 +116,22 @@ class Gemma3(Llama):
         )
         return mats, kinds, norms, int8, extra
 
-    def fused_decode(self, plan, cache) -> torch.Tensor:
+    def _fused_step_args(self, plan, cache, extra: dict) -> dict:
         """Llama's fused step, plus what the sliding blocks read: the latest `sliding_window`
         slots of each row's window and, where they have blocks of their own, those slots and the
         step's write slots mapped through `local_of`, cut once a step as the ops path cuts them
         (`cache._one_query_rows`)."""
         from nanoserve.cache import _latest
-        from nanoserve.kernels import native
 
-        if self._fused is None:
-            self._fused = self._fused_operands()
-        mats, kinds, norms, int8, extra = self._fused
-        cache.ensure_pools()
-        cfg = self.cfg
-        local = []
-        keep = cfg.sliding_window
-        if keep is not None and any(extra["sliding"]):
-            window, lens, slots = plan.slot_window, plan.context_lens, plan.write_slots
-            if window.shape[1] > keep:
-                window, lens = _latest(window, lens, keep)
-            if cache.local_of is not None:
-                window, slots = cache._to_local(window), cache._to_local(slots)
-            local = [slots.contiguous(), window, lens, self.cos_local, self.sin_local]
-        return native().fused_decode(
-            plan.input_ids,
-            plan.positions,
-            plan.write_slots,
-            plan.slot_window,
-            plan.context_lens,
-            mats,
-            kinds,
-            norms,
-            cache.k,
-            cache.v,
-            self.cos,
-            self.sin,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-            self.head.shape[0],
-            cfg.rms_norm_eps,
-            int8,
-            local=local,
-            **extra,
-        )
+        keep = self.cfg.sliding_window
+        if keep is None or not any(extra["sliding"]):
+            return extra
+        window, lens, slots = plan.slot_window, plan.context_lens, plan.write_slots
+        if window.shape[1] > keep:
+            window, lens = _latest(window, lens, keep)
+        if cache.local_of is not None:
+            window, slots = cache._to_local(window), cache._to_local(slots)
+        return {**extra, "local": [slots.contiguous(), window, lens, self.cos_local, self.sin_local]}
 
 
 def _gemma3_switches(d: dict) -> dict:

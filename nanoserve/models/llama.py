@@ -299,8 +299,13 @@ class Llama(nn.Module):
             self.head.shape[0],
             cfg.rms_norm_eps,
             int8,
-            **stacked,
+            **self._fused_step_args(plan, cache, stacked),
         )
+
+    def _fused_step_args(self, plan, cache, extra: dict) -> dict:
+        """The step's keyword arguments beyond a Llama's: those `_fused_operands` built once
+        (a family may add what each step needs, as Gemma 3's sliding layers do)."""
+        return extra
 
     def _fused_operands(self) -> tuple:
         """The fused step's operand lists, built once: every matrix as its tensors and kinds (a
