@@ -4,8 +4,10 @@ step instead of being handed back to the OS and faulted in again.
 Counted, not timed: a fresh process builds the default path for Qwen2.5-Coder-0.5B-Instruct
 (the model whose prefill showed it: its MLP's 512 x 9,728 fp32 output alone is 20 MB), runs four
 prefills of 512 random tokens and reports the minor page faults of each. Measured here: with
-glibc's defaults ~232,000 a prefill, every time (~0.9 GB faulted in, zeroed); with
-`keep_freed_memory()` ~160,000 on the first, then a few thousand, then single digits.
+glibc's defaults 140,000-232,000 a prefill (~0.6-0.9 GB faulted in, zeroed) on most prefills, but
+not all: glibc's adaptive mmap threshold rises after a large free, and one clean-clone run saw
+`[140252, 7, 157576, 213317]`; with `keep_freed_memory()` ~160,000 on the first, then a few
+thousand, then single digits. So the check compares the three prefills after the first, summed.
 """
 
 import json
@@ -53,6 +55,8 @@ def test_a_prefill_steps_memory_is_reused_not_faulted_in_again():
     assert kept["malloc"] == "kept" and default["malloc"] is None
     assert kept["paths"].endswith("schedule budget, freed memory kept"), kept["paths"]
     assert "freed memory" not in default["paths"]
-    # glibc's defaults (so the check can fail): every prefill faults its step's memory in again
-    assert min(default["faults"]) > 50_000, default
-    assert kept["faults"][-1] < default["faults"][-1] // 20, (kept, default)
+    # glibc's defaults (so the check can fail): the later prefills fault their memory in again,
+    # though the adaptive threshold may let one of them reuse it
+    later_default, later_kept = sum(default["faults"][1:]), sum(kept["faults"][1:])
+    assert max(default["faults"][1:]) > 50_000, default
+    assert later_kept < later_default // 20, (kept, default)
