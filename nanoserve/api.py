@@ -126,6 +126,12 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None  # vLLM's
     min_tokens: int | None = None  # vLLM's; None: 0
     include_stop_str_in_output: bool = False  # vLLM's
+    # structured output (grammar.py): OpenAI's response_format, vLLM's guided_* (one at most)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None  # a JSON schema (or its text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # llguidance's Lark
     user: str | None = None
     ignore_eos: bool = False  # extension
     return_token_ids: bool = False  # extension: each choice carries the generated token ids
@@ -156,9 +162,12 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     # validate_default: an absent content is checked as a null one
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    # an assistant turn's calls, as the answer returned them (tools.py checks them when rendering)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -185,7 +194,6 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 # Fields other servers take that would change the answer, with the value that changes nothing
@@ -207,10 +215,6 @@ ANSWER_CHANGING: dict[str, Any] = {
     "allowed_token_ids": _REFUSE,
     "prompt_logprobs": _REFUSE,
     "logits_processors": _REFUSE,
-    "guided_json": _REFUSE,
-    "guided_regex": _REFUSE,
-    "guided_choice": _REFUSE,
-    "guided_grammar": _REFUSE,
     "guided_decoding_backend": _REFUSE,
     "structured_outputs": _REFUSE,
     "grammar": _REFUSE,
@@ -248,18 +252,6 @@ def check_supported(req: _Common) -> None:
             "top_logprobs needs logprobs: true",
         ),
         ("suffix", bool(getattr(req, "suffix", None)), "suffix is not supported"),
-        ("tools", bool(getattr(req, "tools", None)), "tools are not supported by this server"),
-        (
-            "tool_choice",
-            getattr(req, "tool_choice", None) not in (None, "none"),
-            "tool_choice is not supported by this server (it has no tools)",
-        ),
-        (
-            "response_format",
-            (getattr(req, "response_format", None) or {"type": "text"}).get("type") != "text",
-            "response_format other than {'type': 'text'} is not supported: this server cannot "
-            "constrain output to JSON, and would answer in free text",
-        ),
     ]
     for param, bad, message in checks:
         if bad:

@@ -48,6 +48,7 @@ from nanoserve.blocks import BlockAllocator, WindowBlocks
 from nanoserve.buckets import row_buckets, width_buckets
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
+from nanoserve.grammar import Grammars
 from nanoserve.inputs import PersistentInputs
 from nanoserve.pool import plan_pool
 from nanoserve.runner import ModelRunner
@@ -182,6 +183,10 @@ class Engine:
         self.step_kinds = {"prefill": 0, "decode": 0, "mixed": 0}  # steps run, by what they held
         self._ids = itertools.count()
         self.eos_ids = tokenizer.eos_ids if tokenizer is not None else frozenset()
+        # structured output: llguidance's tokenizer is built on the first constrained request
+        self.grammars = Grammars(
+            tokenizer, model.cfg.vocab_size, self.eos_ids, threads=torch.get_num_threads()
+        )
         self.warm_report = None  # a WarmupReport once warm_decode has run
         self.model_name = "model"  # what the server calls it; build_engine uses the directory's name
         self.malloc = None  # what build_engine's keep_freed_memory did (malloc.py), when asked
@@ -292,8 +297,9 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt) -> list[int]:
-        """str -> tokens as is; list of {role, content} -> the chat template; list of ints -> as is."""
+    def encode_prompt(self, prompt, tools=None) -> list[int]:
+        """str -> tokens as is; list of {role, content} -> the chat template (with `tools`, a
+        chat's tool list, written in by it); list of ints -> as is."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass the prompt as a list of token ids")
@@ -301,7 +307,11 @@ class Engine:
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer to render chat messages with")
-            return self.tokenizer.encode_chat(prompt)
+            return (
+                self.tokenizer.encode_chat(prompt)
+                if tools is None
+                else self.tokenizer.encode_chat(prompt, tools)
+            )
         if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -340,6 +350,8 @@ class Engine:
         seq.reuse_prefix = params.prompt_logprobs is None or len(ids) == 1
         if not params.greedy:
             seq.generator = params.make_generator(self.model.device)
+        if params.guided is not None:  # compiled already if the server asked first (grammar.py)
+            seq.matcher = self.grammars.matcher(params.guided)
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         stops = StopStrings(params.stop, keep=params.include_stop_str_in_output)
         self.requests[request_id] = _Request(seq, detok, stops)
@@ -408,7 +420,12 @@ class Engine:
         seqs = [plan.rows[i] for i in ready]
         picked = logits[torch.tensor(ready, device=logits.device)]
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        if any(p.adjusts_logits for p in params):  # penalties, logit_bias, min_tokens
+        guided = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if guided:  # structured output: each grammar row's token mask (grammar.py)
+            masks = (guided, self.grammars.fill([seqs[i].matcher for i in guided]))
+            history = [(s.token_ids, len(s.prompt_ids)) for s in seqs]
+            tokens = sample_rows(picked, params, generators, history, self.eos_ids, masks)
+        elif any(p.adjusts_logits for p in params):  # penalties, logit_bias, min_tokens
             history = [(s.token_ids, len(s.prompt_ids)) for s in seqs]  # prompt first, then output
             tokens = sample_rows(picked, params, generators, history, self.eos_ids)
         else:  # the call as it was before these options existed, and the same ops
@@ -476,6 +493,8 @@ class Engine:
         """One row's outcome. A row that could not be sampled (token is the reason) or whose
         token could not be turned into text ends alone, with finish_reason "error"; its blocks
         are free and the step's other rows are untouched."""
+        if not isinstance(token, str) and seq.matcher is not None:
+            token = self.grammars.advance(seq.matcher, token) or token
         if not isinstance(token, str):
             try:
                 return self._append(seq, token)

@@ -47,9 +47,10 @@ from nanoserve.api import (
     check_score_budget,
 )
 from nanoserve.engine import Engine
+from nanoserve.grammar import Guided, guided_from_request
 from nanoserve.loop import Accepted, Refused
 from nanoserve.responses import Answer, Choice, EventStream, Scores, WhenDone
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import InvalidParam, SamplingParams
 from nanoserve.status import ServerState
 
 LIVENESS_POLL = 1.0  # seconds a handler waits on its hand-off before asking whether the loop lives
@@ -126,7 +127,14 @@ def sampling_params(
     prompt_logprobs = req.logprobs if echo and req.logprobs is not None else None
     if max_tokens == 0 and prompt_logprobs is None:
         prompt_logprobs = 0
+    try:
+        guided = guided_from_request(
+            req.response_format, req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar
+        )
+    except InvalidParam as e:
+        raise APIError(400, str(e), param=e.param) from None
     params = SamplingParams(
+        guided=guided,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -210,11 +218,16 @@ async def run(
     echo=None,
     score_budget: int = MAX_SCORE_ENTRIES,
     request_id: str | None = None,
+    tools: bool = False,
+    guided: Guided | None = None,
 ):
     """Start one sequence per prompt and sample, and answer them as one response (module doc).
     `echo`: each prompt's (text, ids, offsets) when a completion echoes its prompt. `request_id`:
     the request's X-Request-Id (http_extras.RequestLog); the answer's id is built on it, as vLLM
-    builds it, so a client, the access log and the answer name the request alike."""
+    builds it, so a client, the access log and the answer name the request alike. `tools`: the
+    template wrote the request's tools, so each answer's text is read for tool calls (tools.py);
+    `guided`: the grammar tool_choice "required" or a named function imposes, which takes the
+    place of a response_format or guided_* (a request with both is refused)."""
     max_tokens = settle_max_tokens(req, prompts, eng.max_model_len, chat, default_max, echo)
     n = req.n
     best_of = getattr(req, "best_of", None) or n
@@ -226,6 +239,20 @@ async def run(
             param="best_of" if best_of > n else "n",
         )
     params = sampling_params(req, chat, max_tokens, best_of, echo is not None, eng.model.cfg.vocab_size)
+    if guided is not None:
+        if params.guided is not None:
+            raise APIError(
+                400,
+                f"tool_choice {req.tool_choice!r} constrains the answer to tool calls; "
+                f"drop {params.guided.param} or ask with tool_choice 'auto'",
+                param=params.guided.param,
+            )
+        params.guided = guided
+    if params.guided is not None:  # compiled on the grammar thread (cached): the engine's is spared
+        try:
+            await asyncio.wrap_future(eng.grammars.compile_async(params.guided))
+        except InvalidParam as e:
+            raise APIError(400, str(e), param=e.param) from None
     asked = bool(req.logprobs) if chat else req.logprobs is not None
     wanted = params.logprobs if asked else None  # what the response shows
     # max_tokens 0 only scores: every sample would be the same, so one runs and is repeated
@@ -246,6 +273,7 @@ async def run(
     answer = Answer(
         rid, eng.model_name, chat, sum(map(len, prompts)), req.return_token_ids, choices, scores, samples
     )
+    answer.tools = tools
 
     handoff = Handoff(asyncio.get_running_loop(), state)
     for k, (ids, sample_id) in enumerate(zip([p for p in prompts for _ in range(samples)], rids)):

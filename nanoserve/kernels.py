@@ -42,7 +42,9 @@ The kernels (csrc/, bound in module.cpp):
   Q8_K arithmetic, AVX2 with a portable fallback);
 * `fused_decode` (quant.cpp): a whole Llama or Qwen decode step in one call, its glue in C++
   instead of ~70 torch ops a block (model.Llama.fused_decode, day 61); a matrix may be stacked
-  from parts of different types, and Qwen2's QKV biases and Qwen3's per-head norms ride along.
+  from parts of different types, and Qwen2's QKV biases and Qwen3's per-head norms ride along;
+* `apply_token_bitmask` (mask.cpp): a grammar's token mask (one bit a token, llguidance's layout)
+  written into rows of the logits as -inf, in place (grammar.py, structured output).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ import threading
 from pathlib import Path
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "quant.cpp", "kquant.cpp")]
+_SOURCES = [
+    _CSRC / name for name in ("module.cpp", "paged_attention.cpp", "quant.cpp", "kquant.cpp", "mask.cpp")
+]
 _HEADERS = [_CSRC / "nanoserve.h"]
 _lock = threading.Lock()
 _ext = None

@@ -28,6 +28,7 @@ import anyio
 from fastapi.responses import Response, StreamingResponse
 
 from nanoserve.engine import RequestOutput
+from nanoserve.tools import ToolCallStream, parse_tool_calls
 
 
 class EventStream(StreamingResponse):
@@ -226,6 +227,7 @@ class Choice:
         self.base = len(echo[0]) if echo is not None else 0  # the generated text starts here
         self.chars = self.base  # characters of text so far, echo included
         self.echo_sent = False
+        self.calls = None  # a tools.ToolCallStream, when a streamed chat answer may call tools
 
     def add(self, out: RequestOutput) -> None:
         offsets = getattr(out, "text_offsets", None)
@@ -278,6 +280,7 @@ class Answer:
         self.created = int(time.time())
         self.choices = choices if choices is not None else [Choice(0)]
         self.scores, self.samples = scores, samples
+        self.tools = False  # read each answer's text for tool calls (tools.py); set by handlers.run
         self.generated = 0  # tokens every sample made, returned or not (best_of): what was computed
 
     def add(self, out: RequestOutput, k: int = 0) -> None:
@@ -322,7 +325,14 @@ class Answer:
         for index, c in enumerate(picked if picked is not None else self.choices):
             choice: dict[str, Any] = {"index": index, "finish_reason": c.finish}
             text = "".join(c.text)
-            if self.chat:
+            if self.chat and self.tools:
+                content, calls = parse_tool_calls(text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    if c.finish == "stop":  # OpenAI's: the model stopped to have its calls run
+                        choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = (c.echo[0] if c.echo is not None else "") + text
@@ -363,7 +373,11 @@ class Answer:
         c = self.choices[k]
         delta = "".join(c.text)
         choice: dict[str, Any] = {"index": k, "finish_reason": c.finish}
-        if self.chat:
+        if self.chat and self.tools:
+            choice["delta"] = self._tool_delta(c, delta)
+            if c.finish == "stop" and c.calls.called:
+                choice["finish_reason"] = "tool_calls"
+        elif self.chat:
             choice["delta"] = {"content": delta} if delta else {}
         else:
             choice["text"] = delta
@@ -372,6 +386,24 @@ class Answer:
             choice["token_ids"] = c.token_ids.tolist()
         c.sent()
         return self._event([choice], **({"usage": None} if include_usage else {}))
+
+    @staticmethod
+    def _tool_delta(c: Choice, text: str) -> dict:
+        """A chat chunk's delta when tools were offered: the text and the calls whose blocks
+        closed since the last chunk (tools.ToolCallStream), merged into one delta."""
+        if c.calls is None:
+            c.calls = ToolCallStream()
+        pieces = c.calls.feed(text) if text else []
+        if c.finish is not None:
+            pieces += c.calls.finish()
+        delta: dict[str, Any] = {}
+        for piece in pieces:
+            if "content" in piece:
+                delta["content"] = delta.get("content", "") + piece["content"]
+            delta.setdefault("tool_calls", []).extend(piece.get("tool_calls", []))
+        if not delta.get("tool_calls"):
+            delta.pop("tool_calls", None)
+        return delta
 
     def usage_chunk(self) -> str:
         return self._event([], usage=self.usage())

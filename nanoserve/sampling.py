@@ -55,8 +55,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # grammar.py imports this module
+    from nanoserve.grammar import Guided
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy
 SEED_RANGE = (0, 2**64 - 1)  # what torch.Generator.manual_seed takes without wrapping or raising
@@ -103,6 +107,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the sequence, as the end token does
     min_tokens: int = 0  # end tokens masked, stop strings ignored, until this many are generated
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is kept
+    guided: Guided | None = None  # structured output: a grammar the tokens must follow (grammar.py)
 
     def validate(self, vocab: int | None = None) -> SamplingParams:
         """Raise InvalidParam (a ValueError) with a sentence for the first out-of-range field;
@@ -136,6 +141,10 @@ class SamplingParams:
         ):
             raise InvalidParam("seed", f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
         self._validate_adjustments(vocab)
+        if self.guided is not None and not (
+            isinstance(getattr(self.guided, "kind", None), str) and hasattr(self.guided, "grammar")
+        ):
+            raise InvalidParam("guided", f"guided must be a grammar.Guided or None, got {self.guided!r}")
         return self
 
     def _validate_adjustments(self, vocab: int | None) -> None:
@@ -448,6 +457,7 @@ def sample_rows(
     generators: list[torch.Generator | None],
     history: list[tuple[list[int], int]] | None = None,
     eos_ids=(),
+    masks: tuple[list[int], torch.Tensor] | None = None,
 ) -> list[int | str]:
     """One token id per row of logits (B, V), or for a row that cannot be sampled a sentence
     saying why. The rows whose params adjust their logits (`adjusts_logits`: logit_bias,
@@ -456,12 +466,29 @@ def sample_rows(
     then one batched argmax. The sampled rows are filtered and turned into probabilities in one
     batched pass (`filter_batch`); then each draws from its own generator, so a seeded row's
     token does not depend on what shares its batch. Should the batched pass fail, every sampled
-    row is tried alone, so the failure stays with its row."""
+    row is tried alone, so the failure stays with its row.
+
+    `masks`, (rows, bitmask): the grammar rows of structured output (grammar.py) and their
+    token masks, one int32 row of bits each; a refused token's logit is -inf before anything
+    else, on a copy. A row whose every token is refused (its grammar ended while min_tokens
+    holds the end tokens off) fails with a sentence."""
     finite = torch.isfinite(logits).all(-1).tolist()  # (B,): a NaN or inf row poisons only itself
-    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits and finite[i]]
     failed: dict[int, str] = {}
+    if masks is not None and masks[0]:
+        from nanoserve.grammar import apply_mask
+
+        logits = logits.to(torch.float32, copy=True)
+        apply_mask(logits, masks[0], masks[1])
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits and finite[i]]
     if adjusted:
         logits, failed = _adjust_rows(logits, params, adjusted, history, eos_ids)
+    if masks is not None and masks[0]:
+        empty = (logits[torch.tensor(masks[0], device=logits.device)].amax(-1) == float("-inf")).tolist()
+        for i, none_left in zip(masks[0], empty):
+            if none_left and finite[i] and i not in failed:
+                failed[i] = (
+                    "every token is refused for this request (its grammar allows none that min_tokens does)"
+                )
     tokens: list[int | str] = logits.argmax(-1).tolist()  # right for every greedy row
     sampled = []
     for i, p in enumerate(params):

@@ -79,6 +79,7 @@ class Sequence:
     prompt_lp: list = field(default_factory=list)  # scores of prompt tokens 1.., as computed
     prompt_lp_sent: bool = False  # handed out with the first output
     cumulative_logprob: float = 0.0  # of the generated tokens, when their scores are computed
+    matcher: object | None = None  # structured output: the grammar's state (an llguidance LLMatcher)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

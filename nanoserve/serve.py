@@ -64,6 +64,7 @@ from nanoserve.api import (
 )
 from nanoserve.engine import Engine
 from nanoserve.errors import NanoserveError
+from nanoserve.grammar import Guided
 from nanoserve.handlers import LIVENESS_POLL, run
 from nanoserve.http_extras import (
     CORS,
@@ -78,7 +79,9 @@ from nanoserve.http_extras import (
 from nanoserve.lifecycle import drain, serve
 from nanoserve.loop import EngineLoop
 from nanoserve.metrics import Metrics
+from nanoserve.sampling import InvalidParam
 from nanoserve.status import ServerState, boot_line, health, paths_dict, pool_dict, tp_dict, warm_dict
+from nanoserve.tools import check_tools, tool_grammar
 
 __all__ = [
     "LIVENESS_POLL",
@@ -301,7 +304,18 @@ def create_app(
         check_supported(req)
         messages = chat_messages(req.messages)
         check_fits(eng, sum(len(m["content"]) for m in messages), "messages")
-        prompt_ids = await encode_all(eng, [messages], "messages")
+        tools, guided = None, None
+        if req.tools or req.tool_choice is not None:  # tools.py: checked, rendered, maybe enforced
+            tok = tokenizer_of(eng, "tools")
+            try:
+                check_tools(req.tools, req.tool_choice, tok.supports_tools)
+            except InvalidParam as e:
+                raise APIError(400, str(e), param=e.param) from None
+            if req.tools and req.tool_choice != "none":
+                tools = list(req.tools)
+                grammar = tool_grammar(tools, req.tool_choice)  # "required" or a named function
+                guided = Guided("grammar", grammar, "tool_choice") if grammar else None
+        prompt_ids = await encode_all(eng, [messages], "messages", tools=tools)
         if req.max_completion_tokens is not None:
             req.max_tokens = req.max_completion_tokens
         return await run(
@@ -313,6 +327,8 @@ def create_app(
             default_max=None,
             score_budget=max_score_entries,
             request_id=request_id_of(request),
+            tools=tools is not None,
+            guided=guided,
         )
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
@@ -401,15 +417,16 @@ def create_app(
             code="context_length_exceeded",
         )
 
-    async def encode_all(eng: Engine, prompts: list, param: str) -> list[list[int]]:
-        """Render and tokenize on a worker thread: the event loop keeps serving meanwhile."""
+    async def encode_all(eng: Engine, prompts: list, param: str, tools=None) -> list[list[int]]:
+        """Render and tokenize on a worker thread: the event loop keeps serving meanwhile.
+        `tools`: a chat's tools, which its template writes into the prompt."""
 
         def work() -> list[list[int]]:
             out = []
             for i, prompt in enumerate(prompts):
                 where = f" (prompt {i})" if len(prompts) > 1 else ""
                 try:
-                    ids = eng.encode_prompt(prompt)
+                    ids = eng.encode_prompt(prompt) if tools is None else eng.encode_prompt(prompt, tools)
                 except (ValueError, NanoserveError) as e:
                     raise APIError(400, f"{e}{where}", param=param) from None
                 if not ids:
@@ -445,5 +462,10 @@ def chat_messages(messages) -> list[dict]:
     out = []
     for m in messages:
         content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out

@@ -82,18 +82,98 @@ def _compile_template(source: str):
 
 
 def check_messages(messages) -> None:
-    """Raise a NanoserveError unless `messages` is a non-empty list of {role: str, content: str}."""
+    """Raise a NanoserveError unless `messages` is a conversation the chat template can take.
+
+    Each message is a dict with a string `role` and a string `content`, with OpenAI's tool
+    calling besides: an assistant message that made `tool_calls` may have no content (null or
+    absent; without tool calls it needs text, as OpenAI's does), its calls checked by
+    `_tool_calls_of`, and a `tool` message may name the call it answers in `tool_call_id`.
+    """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise NanoserveError("messages must be a non-empty list of {'role': ..., 'content': ...} objects.")
     for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise NanoserveError(
                 f"message {i} is {m!r}; each message needs a string 'role' and a string 'content'."
             )
+        content = m.get("content")
+        if m["role"] == "assistant":
+            calls = _tool_calls_of(i, m)
+            if content is None and not calls:
+                raise NanoserveError(
+                    f"message {i} is an assistant message with no content and no tool calls; "
+                    "send its text or the tool calls it made."
+                )
+            if content is not None and not isinstance(content, str):
+                raise NanoserveError(f"message {i}'s content is {content!r}; it must be a string or null.")
+            continue
+        if not isinstance(content, str):
+            raise NanoserveError(
+                f"message {i} is {m!r}; each message needs a string 'role' and a string 'content' "
+                "(only an assistant's may be null)."
+            )
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id", ""), str):
+            raise NanoserveError(f"message {i}'s tool_call_id is {m['tool_call_id']!r}; it must be a string.")
+
+
+def _tool_calls_of(i: int, message: dict) -> list[dict]:
+    """The tool calls of assistant message `i` as the template takes them, their `arguments`
+    parsed into a dict: OpenAI clients send the arguments as a JSON string, but templates write
+    them with `arguments | tojson` (Qwen's), which would quote the string a second time. vLLM
+    parses them the same way. [] when the message has none (null, absent or an empty list)."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, (list, tuple)):
+        raise NanoserveError(f"message {i}'s tool_calls is {calls!r}; it must be a list of tool calls.")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"message {i}'s tool call {j}"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+        ):
+            raise NanoserveError(
+                f"{where} is {call!r}; a tool call is "
+                "{'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}."
+            )
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise NanoserveError(
+                f"{where} has arguments {function.get('arguments')!r}; they must be a JSON object "
+                "(a string holding one, as OpenAI sends them)."
+            )
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _as_rendered(messages) -> list[dict]:
+    """Copies of checked messages with the tool calls' arguments parsed (the caller's stay as sent)."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            m["tool_calls"] = _tool_calls_of(i, m)
+        out.append(m)
+    return out
+
+
+# A tool no real request names: rendering it shows whether a template writes tools at all.
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "nanoserve_probe_tool_7c1e",
+        "description": "Whether the chat template renders tools.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 # --- a tokenizer from a GGUF's vocabulary (gguf_file.py writes it out as tokenizer.json) ---
@@ -277,6 +357,7 @@ class Tokenizer:
         self.config = tokenizer_config or {}
         self.template_source = template
         self._template = None
+        self._supports_tools = None  # known once asked (supports_tools)
         model_config, generation_config = model_config or {}, generation_config or {}
 
         bos = _token_text(self.config.get("bos_token"))
@@ -350,7 +431,7 @@ class Tokenizer:
         path = Path(path).expanduser()
         if not path.is_file():
             raise NanoserveError(f"the chat template file {path} does not exist; pass a jinja file.")
-        self.template_source, self._template = path.read_text(), None
+        self.template_source, self._template, self._supports_tools = path.read_text(), None, None
         _compile_template(self.template_source)  # a template that does not parse is refused now
 
     @property
@@ -421,8 +502,14 @@ class Tokenizer:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it."""
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text for `messages`, as transformers' apply_chat_template(tokenize=False) gives it.
+
+        `tools` (OpenAI tool objects, checked by tools.check_tools) go to the template as they
+        are, which writes them into the prompt if it knows how (`supports_tools`). An assistant
+        tool call's `arguments`, a JSON string from an OpenAI client, reach it parsed."""
         import jinja2
 
         if not self.template_source:
@@ -431,22 +518,44 @@ class Tokenizer:
                 "instead of chat messages, or start the server with --chat-template FILE."
             )
         check_messages(messages)
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise NanoserveError(f"tools is {tools!r}; it must be a list of tool objects.")
         if self._template is None:
             self._template = _compile_template(self.template_source)
         try:
             return self._template.render(
-                messages=[dict(m) for m in messages],
-                tools=None,
+                messages=_as_rendered(messages),
+                tools=None if tools is None else list(tools),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.template_vars,
             )
         except jinja2.exceptions.TemplateError as e:
             raise NanoserveError(f"the chat template refused these messages: {e}") from None
+        except (TypeError, ValueError, LookupError, AttributeError) as e:
+            # e.g. a template that adds a null content to a string: the template's limit, not ours
+            raise NanoserveError(
+                f"the chat template failed on these messages ({type(e).__name__}: {e})."
+            ) from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template writes tools into the prompt. A template may take `tools`
+        in many ways (a loop, a filter, a macro), so rather than read its source we render a
+        one-message conversation with a probe tool and look for the tool's name in the text.
+        Asked once per template (use_template_file forgets the answer)."""
+        if self._supports_tools is None:
+            try:
+                text = self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL])
+            except NanoserveError:
+                text = ""
+            self._supports_tools = _PROBE_TOOL["function"]["name"] in text
+        return self._supports_tools
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template writes any BOS itself; adding another would double it (transformers agrees).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        return self.encode(text, add_bos=False)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -223,7 +223,7 @@ BAD = [
     (
         "POST",
         "/v1/chat/completions",
-        {"messages": [HI], "response_format": {"type": "json_object"}},
+        {"messages": [HI], "response_format": {"type": "xml"}},
         400,
         "response_format",
     ),
@@ -239,7 +239,9 @@ BAD = [
         400,
         "messages.0.content",
     ),
-    ("POST", "/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    # structured output since issue 32: a grammar the library refuses (tests/test_grammar.py has more)
+    ("POST", "/v1/completions", {"prompt": "hi", "guided_json": {"type": "nonsense"}}, 400, "guided_json"),
+    ("POST", "/v1/completions", {"prompt": "hi", "guided_regex": "(ab"}, 400, "guided_regex"),
     # sizes past the caps
     ("POST", "/v1/completions", {"prompt": "hi", "stop": ["x" * 257]}, 400, "stop"),
     ("POST", "/v1/chat/completions", {"messages": [HI] * 1025}, 400, "messages"),

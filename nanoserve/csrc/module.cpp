@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "W as fp32, (out, in)");
   m.def("embed_rows", &embed_rows, "rows ids of W as fp32, (len(ids), in)", py::arg("ids"), py::arg("w"),
         py::arg("kind"), py::arg("in_features"), py::arg("rows") = -1);
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits[rows[i], t] = -inf wherever bit t of bitmask row i is clear (a grammar's mask), in place",
+        py::arg("logits"), py::arg("rows"), py::arg("bitmask"));
   m.def("fused_decode", &fused_decode, "one whole decode step of a Llama, Qwen or Gemma 3 in one call (CPU)",
         py::arg("ids"), py::arg("positions"), py::arg("write_slots"), py::arg("window"), py::arg("context_lens"),
         py::arg("mats"), py::arg("kinds"), py::arg("norms"), py::arg("k_pools"), py::arg("v_pools"), py::arg("cos"),

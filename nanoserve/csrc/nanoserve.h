@@ -63,3 +63,7 @@ template <int MAX, typename F>
 inline void in_row_groups(int64_t m, F f) {
   for (int64_t r0 = 0; r0 < m; r0 += MAX) with_rows<1, MAX>(std::min<int64_t>(MAX, m - r0), r0, f);
 }
+
+// mask.cpp: a grammar's int32 bitmask (a bit a token, set where allowed) applied to rows of the
+// logits in place: a clear bit's logit becomes -inf
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask);
