@@ -323,3 +323,32 @@ def test_a_constrained_tokens_score_is_the_raw_distributions(random_model, smoll
     assert len(raw) == len(tokens) and got == pytest.approx(raw, abs=1e-4)
     # renormalized over the allowed tokens, a forced token would score near 0; these do not
     assert min(got) < -1.0
+
+
+def test_a_preempted_constrained_row_resumes_its_grammar(random_model, smollm_tokenizer):
+    """A pool too small for eight rows preempts some; their matchers keep their state (the tokens
+    already taken stay taken) and every answer still validates."""
+    per_block = random_model.cfg.kv_bytes_per_token(random_model.dtype) * 16
+    engine = Engine(random_model, smollm_tokenizer, EngineConfig(max_batch=8, kv_budget=per_block * 12))
+    params = [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=s, guided=Guided.json_schema(BOUNDED))
+        for s in range(8)
+    ]
+    ids = smollm_tokenizer.encode("Write a person as JSON, please, with every field filled in.")
+    answers = [engine.generate([ids], p, use_tqdm=False)[0] for p in params[:2]]  # alone: no preemption
+    rids = [engine.add_request(ids, p) for p in params]
+    texts: dict[str, list[int]] = {}
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert engine.scheduler.num_preemptions > 0
+    for rid in rids:
+        assert finished[rid] == "stop"
+        jsonschema.validate(json.loads(smollm_tokenizer.decode(texts[rid])), BOUNDED)
+    assert [a.token_ids for a in answers] == [
+        texts[rid] for rid in rids[:2]
+    ]  # seeded: the same tokens, preempted or not
+    assert engine.allocator.num_free == engine.allocator.num_blocks
