@@ -514,6 +514,8 @@ class Engine:
         # the first min_tokens tokens cannot end the sequence (the sampler masks the end tokens
         # meanwhile, and a stop string they complete is ordinary text: stopping.py)
         may_stop = len(seq.token_ids) - len(seq.prompt_ids) > p.min_tokens
+        if seq.matcher is not None and seq.matcher.is_stopped():  # a complete grammar outranks min_tokens
+            may_stop = True
         if may_stop and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
             finish = "stop"
             if p.include_stop_str_in_output and req.detok is not None:  # the end token's text too

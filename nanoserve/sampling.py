@@ -470,25 +470,31 @@ def sample_rows(
 
     `masks`, (rows, bitmask): the grammar rows of structured output (grammar.py) and their
     token masks, one int32 row of bits each; a refused token's logit is -inf before anything
-    else, on a copy. A row whose every token is refused (its grammar ended while min_tokens
-    holds the end tokens off) fails with a sentence."""
+    else, on a copy. Where the grammar allows only tokens that min_tokens holds off (its end),
+    the grammar wins: the row is sampled under its mask alone."""
     finite = torch.isfinite(logits).all(-1).tolist()  # (B,): a NaN or inf row poisons only itself
     failed: dict[int, str] = {}
-    if masks is not None and masks[0]:
+    grammar_rows = masks[0] if masks is not None else []
+    if grammar_rows:
         from nanoserve.grammar import apply_mask
 
         logits = logits.to(torch.float32, copy=True)
-        apply_mask(logits, masks[0], masks[1])
+        apply_mask(logits, grammar_rows, masks[1])
+    constrained = logits  # the grammars' masks only
     adjusted = [i for i, p in enumerate(params) if p.adjusts_logits and finite[i]]
     if adjusted:
         logits, failed = _adjust_rows(logits, params, adjusted, history, eos_ids)
-    if masks is not None and masks[0]:
-        empty = (logits[torch.tensor(masks[0], device=logits.device)].amax(-1) == float("-inf")).tolist()
-        for i, none_left in zip(masks[0], empty):
-            if none_left and finite[i] and i not in failed:
-                failed[i] = (
-                    "every token is refused for this request (its grammar allows none that min_tokens does)"
-                )
+    for i in grammar_rows:
+        # a grammar that allows only its end while min_tokens holds the end tokens off: the
+        # grammar wins, and the row ends (the engine ends a row whose grammar is complete)
+        if (
+            i in failed
+            and finite[i]
+            and constrained is not logits
+            and bool(torch.isfinite(constrained[i]).any())
+        ):
+            logits[i] = constrained[i]
+            del failed[i]
     tokens: list[int | str] = logits.argmax(-1).tolist()  # right for every greedy row
     sampled = []
     for i, p in enumerate(params):

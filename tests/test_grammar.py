@@ -352,3 +352,18 @@ def test_a_preempted_constrained_row_resumes_its_grammar(random_model, smollm_to
         texts[rid] for rid in rids[:2]
     ]  # seeded: the same tokens, preempted or not
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_min_tokens_holds_the_end_off_until_the_grammar_is_complete(random_model, smollm_tokenizer):
+    """min_tokens keeps an open grammar going (the end token is held off while the grammar could
+    go on), but a complete grammar, which allows only its end, ends the answer: it outranks
+    min_tokens rather than leave the row with no token at all."""
+    engine = engine_of(random_model, smollm_tokenizer)
+    choice = Guided.choice(["yes", "no"])
+    (c,) = engine.generate(["x"], SamplingParams(max_tokens=20, min_tokens=5, guided=choice), use_tqdm=False)
+    assert c.text in ("yes", "no") and c.finish_reason == "stop"
+    letters = Guided.text("regex", "[a-z]{1,60}", "guided_regex")
+    for seed in range(3):
+        params = SamplingParams(max_tokens=40, min_tokens=12, temperature=1.0, seed=seed, guided=letters)
+        (c,) = engine.generate(["x"], params, use_tqdm=False)
+        assert len(c.token_ids) >= 12 and c.text.isalpha() and c.text.islower(), c
