@@ -11,13 +11,14 @@ served too. Their ranges are checked once, by `SamplingParams.validate` (the eng
 check, so the server and the engine cannot disagree), which the handler turns into a 400
 naming the field; the schema here only checks their types. Any field that would change the
 answer and that this server does not implement is refused by `check_supported` when set to
-anything but its default, never silently ignored: OpenAI's (suffix, tools, tool_choice, a
-`response_format` other than text) and the extensions other servers take (vLLM's guided
-decoding, bad_words, ...; see `ANSWER_CHANGING`). Unknown fields that change nothing (`user`,
-`metadata`) are ignored. A chat message other than the assistant's must have content: a null
-or absent one is a 400 naming it (`messages.0.content`), not an empty turn the model would
-answer anyway (an assistant's may be null, as OpenAI allows after a tool call). Sizes are capped
-(`MAX_STOP_CHARS`, `MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`,
+anything but its default, never silently ignored: OpenAI's suffix and older `functions`, and
+the extensions other servers take (vLLM's `structured_outputs`, bad_words, ...; see
+`ANSWER_CHANGING`). Structured output (`response_format`, vLLM's `guided_*`: grammar.py) and
+tools (`tools`, `tool_choice`, `parallel_tool_calls`: tools.py) are served. Unknown fields that
+change nothing (`user`, `metadata`) are ignored. A chat message other than the assistant's must
+have content: a null or absent one is a 400 naming it (`messages.0.content`), not an empty turn
+the model would answer anyway (an assistant's may be null, as OpenAI allows after a tool call).
+Sizes are capped (`MAX_STOP_CHARS`, `MAX_MESSAGES`, `MAX_PARTS`, `MAX_N`, `MAX_PROMPTS`, `MAX_SAMPLES`,
 `MAX_LOGPROBS`, and the scores a request may make: the server's `max_score_entries`,
 `MAX_SCORE_ENTRIES` unless told), so no request can make the server do or hold far more than its
 context allows, and `BodyLimit` (ASGI middleware) answers 413 to a body over the server's cap
@@ -194,6 +195,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: "required" admits one call, not several
 
 
 # Fields other servers take that would change the answer, with the value that changes nothing

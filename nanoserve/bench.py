@@ -20,6 +20,12 @@
                 (a block kept free for every running request's next token, plus 5% of the
                 pool) against the earlier policy that hands a prompt the last free blocks;
                 preemptions, recomputed tokens and tokens/s of each.
+    grammar     structured output at 16 rows (issue 32): a step's mask time (llguidance's fill,
+                apply_mask natively and through torch, the matchers' advance) against the
+                sampler's own time and a whole decode step; then 16 requests decoding together
+                with none, half and all of them constrained by JSON schemas, three engines
+                stepped in turn, tokens/s and the ratio, the unconstrained rows' tokens held
+                equal (`bench_grammar`).
 
 Every benchmark first prints the CPU's capability (the kernels torch picked, and whether the
 CPU has bf16 instructions), since machines of one kind differ there and it moves the numbers.
@@ -891,6 +897,448 @@ def cmd_tp(args) -> None:
     )
 
 
+# --- grammar: the per-step cost of structured output (issue 32) -----------------------------------
+
+
+def _grammar_schemas(items: int) -> list[tuple[str, str, dict]]:
+    """(name, what the prompt asks for, schema): eight JSON schemas of different shapes, each an
+    array (or an object around one) of at least `items` items, so that no answer fits in
+    `items` tokens (every item takes a token at least) and a constrained row's grammar is still
+    open at its last step (`bench_grammar` counts the rows where it was not)."""
+
+    def obj(props: dict) -> dict:
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    def array(item: dict) -> dict:
+        return {"type": "array", "items": item, "minItems": items}
+
+    string, integer, number = {"type": "string"}, {"type": "integer"}, {"type": "number"}
+    return [
+        (
+            "people",
+            "people",
+            array(
+                obj({"name": {**string, "maxLength": 24}, "age": {**integer, "minimum": 0, "maximum": 120}})
+            ),
+        ),
+        ("points", "points on a map", array(obj({"x": number, "y": number}))),
+        (
+            "inventory",
+            "a shop's inventory",
+            obj(
+                {
+                    "store": {**string, "maxLength": 30},
+                    "items": array(
+                        obj(
+                            {
+                                "sku": {**string, "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                "qty": {**integer, "minimum": 1, "maximum": 99},
+                                "price": {**number, "minimum": 0},
+                            }
+                        )
+                    ),
+                }
+            ),
+        ),
+        ("colors", "colors", array({"enum": ["red", "green", "blue", "yellow", "purple"]})),
+        (
+            "log",
+            "log entries",
+            array(
+                obj(
+                    {
+                        "level": {"enum": ["debug", "info", "warn", "error"]},
+                        "code": integer,
+                        "msg": {**string, "maxLength": 40},
+                    }
+                )
+            ),
+        ),
+        (
+            "matrix",
+            "rows of a matrix",
+            array({"type": "array", "items": integer, "minItems": 3, "maxItems": 3}),
+        ),
+        (
+            "flags",
+            "feature flags",
+            array(obj({"enabled": {"type": "boolean"}, "retries": {**integer, "minimum": 0, "maximum": 5}})),
+        ),
+        ("words", "words", array({**string, "maxLength": 12})),
+    ]
+
+
+GRAMMAR_TOPICS = ("for a small town", "for a space station")
+
+
+def _stats_us(seconds: list[float], rows: int) -> dict:
+    """Median and p90 (nearest rank) in µs, and the same divided by `rows`."""
+    import math
+    import statistics
+
+    s = sorted(seconds)
+    med, p90 = statistics.median(s) * 1e6, s[max(0, math.ceil(0.9 * len(s)) - 1)] * 1e6
+    return {
+        "median_us": round(med, 1),
+        "p90_us": round(p90, 1),
+        "per_row_median_us": round(med / rows, 1),
+        "per_row_p90_us": round(p90 / rows, 1),
+        "samples": len(s),
+    }
+
+
+def _grammar_runs(engines: dict, prompts, guided: dict, tokens: int) -> dict[str, dict]:
+    """One batch on each engine (run name -> engine; `guided[name]`: each row's grammar or
+    None): every prompt at once, greedy, `tokens` tokens each (ignore_eos). The engines step in
+    lockstep, one step each in turn (the order reversed every other round), so a busy stretch of a
+    shared machine falls on every run alike. For each run: its time (the sum of its own steps),
+    each pure decode step's time, every row's tokens, and how many grammar rows took the end
+    token before their last step (their grammar complete)."""
+    from nanoserve.sampling import SamplingParams
+
+    state = {}
+    for name, engine in engines.items():
+        ids, seqs = [], []
+        for p, g in zip(prompts, guided[name]):
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True, guided=g)
+            ids.append(engine.add_request(p, params))
+            seqs.append(engine.requests[ids[-1]].seq)
+        state[name] = {"ids": ids, "seqs": seqs, "got": {rid: [] for rid in ids}, "busy": 0.0, "decode": []}
+    order, round_ = list(engines), 0
+    while any(e.has_unfinished() for e in engines.values()):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            engine, st = engines[name], state[name]
+            if not engine.has_unfinished():
+                continue
+            before = engine.step_kinds["decode"]
+            t = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t
+            st["busy"] += dt
+            if engine.step_kinds["decode"] > before:
+                st["decode"].append(dt)
+            for out in outs:
+                if out.finish_reason == "error":
+                    raise NanoserveError(f"request {out.request_id} failed: {out.error}")
+                st["got"][out.request_id].extend(out.new_token_ids)
+        round_ += 1
+    runs = {}
+    for name, st in state.items():
+        tokens_of = [st["got"][rid] for rid in st["ids"]]
+        if any(len(t) != tokens for t in tokens_of):
+            raise NanoserveError("a request did not get its tokens")
+        n = sum(len(t) for t in tokens_of)
+        runs[name] = {
+            "seconds": st["busy"],
+            "tokens": n,
+            "tok_s": n / st["busy"],
+            "decode_steps": st["decode"],
+            "decode_tok_s": len(prompts) * len(st["decode"]) / max(sum(st["decode"]), 1e-9),
+            "token_ids": tokens_of,
+            "completed_early": sum(1 for q in st["seqs"] if q.matcher is not None and q.matcher.is_stopped()),
+        }
+    return runs
+
+
+def _mask_replay(engine, guided, token_ids, steps: int) -> tuple[dict, bool]:
+    """Time, step by step, what a step spends on its grammar rows (one per entry of `guided`,
+    advanced along `token_ids`, what the engine generated under that grammar; a row at its end
+    token or its last token starts over with a fresh matcher, untimed): `Grammars.fill`,
+    `apply_mask` with the native kernel and with the torch fallback, the matchers' advance;
+    and the sampler for the same rows, without masks (greedy: the engine's call when no row
+    has a grammar) and with them. Returns {name: seconds a step} and whether the two apply
+    paths wrote the same logits at every step."""
+    from unittest import mock
+
+    import nanoserve.kernels as kernels
+    from nanoserve.grammar import apply_mask
+    from nanoserve.sampling import SamplingParams, sample_rows
+
+    g = engine.grammars
+    rows, vocab = len(guided), engine.model.cfg.vocab_size
+    eos = engine.eos_ids
+    # each row's answer up to and with its first end token (after it, ignore_eos repeats the end)
+    answers = []
+    for ids in token_ids:
+        end = next((i for i, t in enumerate(ids) if t in eos), None)
+        answers.append(ids if end is None else ids[: end + 1])
+    matchers = [g.matcher(x) for x in guided]
+    at = [0] * rows
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
+    params, generators = [SamplingParams() for _ in range(rows)], [None] * rows
+    history = [([1], 1)] * rows
+    index = list(range(rows))
+    times: dict[str, list[float]] = {
+        k: [] for k in ("fill", "apply_native", "apply_torch", "advance", "sampler", "sampler_masked")
+    }
+    same = True
+    for step in range(steps + 2):  # the first two warm the paths and are not counted
+        for i in range(rows):
+            if at[i] >= len(answers[i]) or matchers[i].is_stopped():
+                matchers[i], at[i] = g.matcher(guided[i]), 0
+        t = {}
+        t0 = time.perf_counter()
+        bitmask = g.fill(matchers)
+        t["fill"] = time.perf_counter() - t0
+        native_out = logits.clone()
+        t0 = time.perf_counter()
+        apply_mask(native_out, index, bitmask)
+        t["apply_native"] = time.perf_counter() - t0
+        torch_out = logits.clone()
+        with mock.patch.object(kernels, "native", lambda: None):
+            t0 = time.perf_counter()
+            apply_mask(torch_out, index, bitmask)
+            t["apply_torch"] = time.perf_counter() - t0
+        same = same and torch.equal(native_out, torch_out)
+        t0 = time.perf_counter()
+        sample_rows(logits, params, generators)
+        t["sampler"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sample_rows(logits, params, generators, history, eos, (index, bitmask))
+        t["sampler_masked"] = time.perf_counter() - t0
+        picked = [answers[i][at[i]] for i in range(rows)]
+        t0 = time.perf_counter()
+        refused = [g.advance(m, tok) for m, tok in zip(matchers, picked)]
+        t["advance"] = time.perf_counter() - t0
+        if any(refused):
+            raise NanoserveError(f"a matcher refused the engine's own token: {next(r for r in refused if r)}")
+        at = [a + 1 for a in at]
+        if step >= 2:
+            for k, v in t.items():
+                times[k].append(v)
+    return times, same
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def bench_grammar(
+    engine, rows: int = 16, tokens: int = 64, repeats: int = 3, mask_steps: int = 128, say=print
+) -> dict:
+    """The per-step cost of grammar rows at `rows` rows (issue 32), on `engine` (max_batch >= rows).
+
+    Mask time: `rows` matchers of eight JSON schemas advanced along what the engine generated
+    under them (`_mask_replay`): fill, apply (native and torch), advance, against the sampler's
+    own time for the same greedy rows without masks, and the engine's whole decode step.
+
+    Throughput: `rows` requests decoding together, run A with none constrained, run B with the
+    first half constrained, run C with all of them (the engine's step cost a grammar row). The
+    three runs are three engines on the one model (and one `Grammars`), stepped in lockstep
+    (`_grammar_runs`), `repeats` times after a warm-up round (which also puts the prompts in each
+    engine's prefix cache, so every timed run prefills alike): on a shared machine a busy stretch
+    then falls on A, B and C alike, where runs one after another could each land on a different
+    load. Fairness: A, B and C are the same prompts, greedy, every row `tokens` tokens with
+    ignore_eos, so the three compute the same batch shape at every step and the model's work is
+    the same; what differs is the grammar work alone (the fill, the logits' copy and mask, the
+    advance). A grammar could still end early (its end token taken: with ignore_eos the row then
+    runs on an end-only mask, cheap to fill, which would flatter B), so every schema asks for at
+    least `tokens` items, which no answer of `tokens` tokens completes; the rows where it
+    happened nonetheless are counted and printed. A run's time is the sum of its own steps, its
+    tokens/s over all of them (the prefill of the prompts' uncached tails and decode) and over its
+    pure decode steps; the ratio B/A is of the tokens/s over every repeat, and beside it the
+    median of the paired decode steps' ratios (A's time for step i over B's for the same step, run
+    next to each other: B's rate over A's). The unconstrained rows of B must produce exactly
+    their tokens of A (greedy; AssertionError otherwise): a grammar on one row may not move
+    another's logits.
+
+    Returns {"figures": CSV rows, "summary": the headline numbers, "equal": bool}."""
+    import statistics
+
+    from nanoserve.engine import Engine
+    from nanoserve.grammar import Guided
+    from nanoserve.kernels import native
+
+    if rows < 2:
+        raise NanoserveError("grammar needs 2 rows at least (half of them constrained)")
+    if engine.scheduler.max_batch < rows:
+        raise NanoserveError(f"the engine runs {engine.scheduler.max_batch} rows; {rows} were asked for")
+    load_before = _loadavg()
+    ext = native()
+    has_native = ext is not None and hasattr(ext, "apply_token_bitmask")
+    schemas = _grammar_schemas(tokens)
+    prompts, constrain = [], []
+    for i in range(rows):
+        _, what, schema = schemas[i % len(schemas)]
+        topic = GRAMMAR_TOPICS[(i // len(schemas)) % len(GRAMMAR_TOPICS)]
+        # the request names what it wants, not the schema: a short prompt, so that a run is mostly
+        # decode, where a grammar costs (the prompts are the same in every run)
+        text = f"Write {what} {topic} as JSON, and nothing else."
+        prompts.append([{"role": "user", "content": text}])
+        constrain.append(Guided.json_schema(schema))
+    for g in constrain:
+        engine.grammars.compile(g)  # compiled once, before anything is timed (the server does it off-thread)
+    half = rows // 2
+    modes = {"A": [None] * rows, "B": constrain[:half] + [None] * (rows - half), "C": list(constrain)}
+    counts = {"A": 0, "B": half, "C": rows}
+    engines = {"A": engine}
+    for m in ("B", "C"):  # the same model and config; the compiled grammars shared
+        engines[m] = Engine(engine.model, engine.tokenizer, engine.config)
+        engines[m].grammars = engine.grammars
+    say(
+        f"model {engine.model_name}, {rows} rows, {tokens} tokens a row, {torch.get_num_threads()} threads, "
+        f"{engine.paths_line().removeprefix('paths: ')}; apply_mask native kernel "
+        f"{'yes' if has_native else 'no (both apply rows are the torch fallback)'}; "
+        f"load average {load_before}"
+    )
+    _grammar_runs(engines, prompts, modes, min(tokens, 8))  # warm-up: kernels, prefix caches
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(repeats):
+        got = _grammar_runs(engines, prompts, modes, tokens)
+        for m, run in got.items():
+            runs[m].append(run)
+            say(
+                f"  round {r + 1} {m} ({counts[m]:>2}/{rows} constrained): {run['tok_s']:7.1f} tok/s "
+                f"({run['tokens']} tokens in {run['seconds']:.2f} s), "
+                f"decode steps {run['decode_tok_s']:7.1f} tok/s"
+            )
+    # a grammar must not move the other rows: B's unconstrained rows against A's, every round
+    reference = runs["A"][0]["token_ids"]
+    equal = all(run["token_ids"][half:] == reference[half:] for run in runs["B"]) and all(
+        run["token_ids"] == reference for run in runs["A"]
+    )
+    # the mask's parts, replayed along what run C generated (every row under its grammar)
+    times, same = _mask_replay(engine, constrain, runs["C"][0]["token_ids"], mask_steps)
+    load_after = _loadavg()
+
+    figures: list[dict] = [
+        {"section": "env", "figure": "cpu", "note": cpu_line()},
+        {"section": "env", "figure": "model", "note": engine.model_name},
+        {"section": "env", "figure": "paths", "note": engine.paths_line()},
+        {"section": "env", "figure": "load_average_before", "note": load_before},
+    ]
+    labels = {
+        "fill": f"fill, {rows} rows (llguidance)",
+        "apply_native": f"apply_mask, {rows} rows, native" + ("" if has_native else " (absent: torch)"),
+        "apply_torch": f"apply_mask, {rows} rows, torch fallback",
+        "advance": f"advance, {rows} matchers",
+        "mask": "mask = fill + apply native + advance",
+        "sampler": f"sampler, {rows} greedy rows, no masks",
+        "sampler_masked": f"sampler, {rows} greedy rows, {rows} masks",
+    }
+    times["mask"] = [f + a + v for f, a, v in zip(times["fill"], times["apply_native"], times["advance"])]
+    stats = {k: _stats_us(times[k], rows) for k in labels}
+    steps = {m: [s for run in runs[m] for s in run["decode_steps"]] for m in modes}
+    for m in modes:
+        labels[f"step_{m}"] = f"decode step, {counts[m]}/{rows} grammar rows (engine)"
+        stats[f"step_{m}"] = _stats_us(steps[m], rows)
+    say(f"per step at {rows} rows, µs: median / p90 (a row: median / p90)")
+    for k, label in labels.items():
+        s = stats[k]
+        say(
+            f"  {label:<44} {s['median_us']:>9.1f} / {s['p90_us']:>9.1f}   "
+            f"({s['per_row_median_us']:.1f} / {s['per_row_p90_us']:.1f} a row)"
+        )
+        figures.append({"section": "step", "figure": k, "rows": rows} | s | {"note": label})
+    med = {k: s["median_us"] for k, s in stats.items()}
+    # the engine's own cost of a grammar row: paired decode steps (step i of each run, run in turn)
+    row_cost = {
+        m: statistics.median((b - a) * 1e6 / counts[m] for a, b in zip(steps["A"], steps[m]))
+        for m in ("B", "C")
+    }
+    # B's rate over A's, step by step: A's decode step time over B's at the same step
+    paired = statistics.median(a / b for a, b in zip(steps["A"], steps["B"]))
+    say(
+        f"  mask / sampler {med['mask'] / med['sampler']:.2f}x, mask / decode step "
+        f"{med['mask'] / med['step_A']:.3f}x; the engine's decode step, a grammar row (paired steps' "
+        f"median): {row_cost['B']:.1f} µs with {half} grammar rows, {row_cost['C']:.1f} µs with {rows}; "
+        f"apply native and torch wrote the same logits: {'yes' if same else 'NO'}"
+    )
+    total = {m: sum(r["tokens"] for r in runs[m]) / sum(r["seconds"] for r in runs[m]) for m in modes}
+    decode = {m: rows * len(steps[m]) / sum(steps[m]) for m in modes}
+    completed = {m: max(run["completed_early"] for run in runs[m]) for m in modes}
+    for m in modes:
+        for r, run in enumerate(runs[m]):
+            figures.append(
+                {
+                    "section": "throughput",
+                    "figure": f"run_{m}",
+                    "rows": rows,
+                    "constrained": counts[m],
+                    "repeat": r + 1,
+                    "tokens": run["tokens"],
+                    "seconds": round(run["seconds"], 3),
+                    "tok_s": round(run["tok_s"], 1),
+                    "decode_tok_s": round(run["decode_tok_s"], 1),
+                    "completed_early": run["completed_early"],
+                }
+            )
+    ratio, ratio_decode = total["B"] / total["A"], decode["B"] / decode["A"]
+    say(
+        f"throughput over {repeats} rounds: A none {total['A']:.1f} tok/s, B {half}/{rows} constrained "
+        f"{total['B']:.1f} tok/s, ratio B/A {ratio:.3f} (decode steps {decode['A']:.1f} against "
+        f"{decode['B']:.1f}, {ratio_decode:.3f}; paired steps' median {paired:.3f}); "
+        f"C all constrained {total['C']:.1f} tok/s ({total['C'] / total['A']:.3f}x A)"
+    )
+    say(
+        f"  unconstrained rows' tokens in B equal A's: {'yes' if equal else 'NO'} ({rows - half} rows, "
+        f"{repeats} rounds); grammars complete before the last token: {completed['B']} of {half} in B, "
+        f"{completed['C']} of {rows} in C; load average {load_before} before, {load_after} after"
+    )
+    summary = {
+        "fill_us": med["fill"],
+        "fill_us_row": stats["fill"]["per_row_median_us"],
+        "apply_native_us": med["apply_native"],
+        "apply_torch_us": med["apply_torch"],
+        "advance_us": med["advance"],
+        "mask_us": med["mask"],
+        "sampler_us": med["sampler"],
+        "sampler_masked_us": med["sampler_masked"],
+        "step_us": med["step_A"],
+        "step_half_us": med["step_B"],
+        "step_all_us": med["step_C"],
+        "row_cost_half_us": round(row_cost["B"], 1),
+        "row_cost_all_us": round(row_cost["C"], 1),
+        "tok_s_A": round(total["A"], 1),
+        "tok_s_B": round(total["B"], 1),
+        "tok_s_C": round(total["C"], 1),
+        "ratio_B_A": round(ratio, 3),
+        "ratio_B_A_decode": round(ratio_decode, 3),
+        "ratio_B_A_paired": round(paired, 3),
+        "completed_early_B": completed["B"],
+        "unconstrained_equal": equal,
+        "apply_same": same,
+    }
+    for k in ("ratio_B_A", "ratio_B_A_decode", "ratio_B_A_paired", "row_cost_half_us", "row_cost_all_us"):
+        figures.append({"section": "summary", "figure": k, "value": summary[k]})
+    figures.append({"section": "env", "figure": "load_average_after", "note": load_after})
+    assert equal, "a grammar on some rows changed the tokens of the unconstrained rows"
+    assert same, "apply_mask's native kernel and its torch fallback wrote different logits"
+    return {"figures": figures, "summary": summary, "equal": equal}
+
+
+def cmd_grammar(args) -> None:
+    """Mask time a step and throughput with half the rows constrained, at --rows rows."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import build_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(cpu_line())
+    config = EngineConfig(
+        model=args.model,
+        weights=None if args.weights == "dtype" else args.weights,
+        quant_activations=args.quant_activations,
+        max_batch=args.rows,
+        max_model_len=args.max_model_len,
+    )
+    engine = build_engine(config)
+    result = bench_grammar(engine, args.rows, args.tokens, args.repeats, args.mask_steps)
+    if args.csv:
+        write_csv(result["figures"], args.csv)
+    s = result["summary"]
+    print(
+        f"RESULT grammar rows={args.rows} fill_us={s['fill_us']} ({s['fill_us_row']}/row) "
+        f"apply_native_us={s['apply_native_us']} apply_torch_us={s['apply_torch_us']} "
+        f"advance_us={s['advance_us']} sampler_us={s['sampler_us']} step_us={s['step_us']} "
+        f"tok_s A={s['tok_s_A']} B={s['tok_s_B']} ratio={s['ratio_B_A']}x paired={s['ratio_B_A_paired']}x "
+        f"unconstrained_equal={s['unconstrained_equal']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -967,6 +1415,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--csv", default=None)
+    p = sub.add_parser("grammar", help="structured output: mask time a step, throughput half constrained")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="a model name or directory")
+    p.add_argument("--weights", default="gguf", help="gguf, q4_1, q8_0, or dtype (the directory's fp32)")
+    p.add_argument("--quant-activations", choices=["int8", "fp32"], default="int8")
+    p.add_argument("--rows", type=int, default=16, help="rows decoding together (half constrained in B)")
+    p.add_argument("--tokens", type=int, default=64, help="tokens each row generates (ignore_eos)")
+    p.add_argument("--repeats", type=int, default=3, help="times runs A, B and C alternate")
+    p.add_argument("--mask-steps", type=int, default=128, help="steps of the mask replay timed")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--csv", default=None, help="also write every figure to this CSV")
     args = parser.parse_args(argv)
 
     commands = {
@@ -975,6 +1434,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda a: cmd_peers(a) if (a.url or a.nanoserve or a.llama_server) else cmd_serve(a),
         "admission": cmd_admission,
         "tp": cmd_tp,
+        "grammar": cmd_grammar,
     }
     try:
         commands[args.bench](args)

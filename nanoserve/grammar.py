@@ -22,7 +22,9 @@ A request's life:
   compiled grammar is kept in an LRU cache keyed by (kind, text), so the same schema is compiled
   once; each request then starts from a copy of the compiled matcher (`Grammars.matcher`).
 - each step, for the rows that sample and have a matcher, llguidance fills one row of an int32
-  bitmask each (bit t % 32 of word t / 32 set where token t may come next; on its own threads,
+  bitmask each (bit t % 32 of word t / 32 set where token t may come next: a token that keeps
+  the text a prefix of some answer, except where the grammar forces text, where llguidance
+  allows only the first token of the tokenizer's own spelling of it, day 66; on its own threads,
   `LLExecutor`), and the sampler writes -inf into every refused logit before anything else
   (`apply_mask`, mask.cpp natively). Greedy and sampled rows alike then pick among the allowed
   tokens; rows without a grammar are untouched, and a step with none runs no op for this.
@@ -270,7 +272,9 @@ class Grammars:
         if matcher.is_stopped():
             return None  # the end token was taken; nothing more comes
         if not matcher.consume_token(token):
-            return f"the grammar refused token {token} ({matcher.get_error() or 'not allowed here'})"
+            # llguidance's error is a multi-line parser dump ending in the grammar; its first line says it
+            why = (matcher.get_error() or "not allowed here").strip().splitlines()[0][:200]
+            return f"the grammar refused token {token} ({why})"
         return None
 
 

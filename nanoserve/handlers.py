@@ -367,7 +367,9 @@ async def run(
                 # else no whole character yet, or held by a stop; an engine without a
                 # tokenizer has no text (nor stop strings), so its tokens go out as they come
                 if item.text_delta or item.finished or (eng.tokenizer is None and item.new_token_ids):
-                    yield answer.chunk(k, include_usage)
+                    event = answer.chunk(k, include_usage)
+                    if event:
+                        yield event
                 if len(finished) == len(rids):
                     if include_usage:
                         yield answer.usage_chunk()

@@ -369,7 +369,8 @@ class Answer:
 
     def chunk(self, k: int, include_usage: bool = False) -> str:
         """Choice k's text since its last chunk, with the scores and ids of every token since;
-        the choice drops them once they are in the chunk."""
+        the choice drops them once they are in the chunk. "" when a chat with tools has nothing
+        to say yet (its text is held while a call block may be open)."""
         c = self.choices[k]
         delta = "".join(c.text)
         choice: dict[str, Any] = {"index": k, "finish_reason": c.finish}
@@ -385,6 +386,9 @@ class Answer:
         if self.with_ids:
             choice["token_ids"] = c.token_ids.tolist()
         c.sent()
+        if self.chat and self.tools and not choice["delta"] and choice["finish_reason"] is None:
+            if choice["logprobs"] is None and not self.with_ids:
+                return ""  # text held inside a call block: nothing to send yet (vLLM sends nothing too)
         return self._event([choice], **({"usage": None} if include_usage else {}))
 
     @staticmethod

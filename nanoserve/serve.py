@@ -313,7 +313,8 @@ def create_app(
                 raise APIError(400, str(e), param=e.param) from None
             if req.tools and req.tool_choice != "none":
                 tools = list(req.tools)
-                grammar = tool_grammar(tools, req.tool_choice)  # "required" or a named function
+                # "required" or a named function; parallel_tool_calls false: one call at most
+                grammar = tool_grammar(tools, req.tool_choice, req.parallel_tool_calls is not False)
                 guided = Guided("grammar", grammar, "tool_choice") if grammar else None
         prompt_ids = await encode_all(eng, [messages], "messages", tools=tools)
         if req.max_completion_tokens is not None:

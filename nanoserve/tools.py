@@ -154,11 +154,12 @@ def _short(value, limit: int = 80) -> str:
 # --- the grammar ---
 
 
-def tool_grammar(tools, tool_choice) -> str | None:
+def tool_grammar(tools, tool_choice, parallel: bool = True) -> str | None:
     """A Lark grammar (llguidance's dialect) that admits only tool-call blocks, or None.
 
     tool_choice "required": one or more calls of any of the tools, separated by a newline (and
-    optionally closed by one);
+    optionally closed by one), or exactly one when `parallel` is False (OpenAI's
+    parallel_tool_calls);
     a named function: exactly one call of it. Each call is spelled as Qwen's template writes
     one, and its arguments obey the function's `parameters` (a function without parameters
     takes {}). "auto" and "none" (and None) constrain nothing and get None; under "none" the
@@ -179,6 +180,9 @@ def tool_grammar(tools, tool_choice) -> str | None:
     if named is not None:
         chosen = [t for t in tools if t["function"]["name"] == named]
         start = "start: call_0"
+    elif tool_choice == "required" and not parallel:  # parallel_tool_calls false: one call
+        chosen = list(tools)
+        start = "start: call\ncall: " + " | ".join(f"call_{i}" for i in range(len(chosen)))
     elif tool_choice == "required":
         chosen = list(tools)
         # a newline may close the calls: Qwen2.5-Coder-0.5B, greedy, writes one after a call and,

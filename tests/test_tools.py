@@ -379,6 +379,14 @@ def test_required_takes_one_or_more_calls_of_any_tool(qwen, llg):
         assert not accepts(qwen, llg, g, wrong), wrong
 
 
+def test_parallel_tool_calls_false_takes_exactly_one_call(qwen, llg):
+    g = tool_grammar(TOOLS, "required", parallel=False)
+    time = block("get-time", {"zone": "Europe/Paris"})
+    assert accepts(qwen, llg, g, PARIS) and accepts(qwen, llg, g, time)
+    assert not accepts(qwen, llg, g, f"{PARIS}\n{time}")  # two calls: what parallel allows
+    assert accepts(qwen, llg, tool_grammar(TOOLS, "required"), f"{PARIS}\n{time}")
+
+
 # --- parse_tool_calls ---
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
