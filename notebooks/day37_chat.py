@@ -169,7 +169,7 @@ assert all(r["bare_first_id"] == tok.bos_id for r in rows)
 # rendered:
 
 # %%
-r = chat.HTTP.post(url + "/v1/chat/completions", json={"messages": [{"role": "tool", "content": "42"}]})
+r = chat.HTTP.post(url + "/v1/chat/completions", json={"messages": [{"role": "function", "content": "42"}]})
 print(r.status_code, r.json()["error"]["param"], "|", r.json()["error"]["message"][:90])
 assert r.status_code == 400
 
