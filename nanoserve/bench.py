@@ -708,11 +708,11 @@ class PeerProcess:
     """llama.cpp's `llama-server` in a child process (a measurement, never a dependency), waited
     on until its /health answers 200."""
 
-    def __init__(self, binary: str, gguf: str, port: int, slots: int, ctx: int, threads: int):
+    def __init__(self, binary: str, gguf: str, port: int, slots: int, ctx: int, threads: int, extra=()):
         import subprocess
 
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots)]
-        cmd += ["-c", str(ctx), "-t", str(threads), "-tb", str(threads)]
+        cmd += ["-c", str(ctx), "-t", str(threads), "-tb", str(threads), *extra]
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -1339,6 +1339,149 @@ def cmd_grammar(args) -> None:
     )
 
 
+SPEC_WORKLOADS = ("edit", "summary", "free")
+
+
+def _spec_workloads(clients: int, requests: int, copy_tokens: int, free_tokens: int) -> dict:
+    """The three workloads of `bench speculative` for one client count: two that copy their
+    prompt (loadgen.copy_workload) and a free one (bench serve's chat questions)."""
+    from nanoserve.loadgen import chat_workload, copy_workload
+
+    n = max(requests, clients)
+    return {
+        "edit": copy_workload("edit", n, copy_tokens),
+        "summary": copy_workload("summary", n, copy_tokens, lines=100),
+        "free": chat_workload(n, free_tokens),
+    }
+
+
+def verify_costs(model: str, rows=(1, 16), drafts=(0, 1, 3, 7), repeats: int = 15) -> list[dict]:
+    """A step's time (median of `repeats`) with `rows` decoding rows each carrying `drafts` draft
+    tokens, through the engine's fused step (plan_verify): what a draft token costs."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.engine import build_engine
+    from nanoserve.plan import plan_decode, plan_verify
+    from nanoserve.sampling import SamplingParams
+
+    eng = build_engine(EngineConfig(model=model, weights="gguf", quant_activations="int8",
+                                    max_batch=max(rows), max_model_len=2048))  # fmt: skip
+    for i in range(max(rows)):
+        eng.add_request(list(range(100 + i, 700 + i)), SamplingParams(max_tokens=400, ignore_eos=True))
+    while any(s.needs_prefill for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    seqs, out = list(eng.scheduler.running), []
+    for b in rows:
+        for k in drafts:
+            for s in seqs[:b]:
+                s.draft = [5] * k
+                eng.allocator.append_slots(s.block_table, len(s.token_ids) + k)
+            plan = (plan_verify if k else plan_decode)(seqs[:b], eng.config.block_size)
+            run = lambda plan=plan: eng.runner.execute(plan)  # noqa: E731
+            run()
+            times = sorted(_timed(run) for _ in range(repeats))
+            out.append({"rows": b, "draft_tokens": k, "step_ms": round(1000 * times[repeats // 2], 2)})
+            for s in seqs[:b]:
+                s.draft = []
+    return out
+
+
+def cmd_speculative(args) -> None:
+    """Speculative decoding's n-gram drafts against none, and against llama.cpp's ngram-simple,
+    on copy-heavy and free workloads, at 1 and 16 clients. Each server runs every workload; the
+    row's decode tok/s is a stream's (1 / TPOT p50: what speculation changes; prefill it does
+    not), out tok/s the run's output over its wall time, prefill included."""
+    import asyncio
+
+    from nanoserve.fetch import model_gguf
+    from nanoserve.loadgen import run_load, summarize
+
+    print(cpu_line())
+    if args.costs:
+        costs = verify_costs(args.model)
+        for c in costs:
+            base = next(x for x in costs if x["rows"] == c["rows"] and x["draft_tokens"] == 0)
+            print(f"{c['rows']:>2} rows, {c['draft_tokens']} draft tokens each: {c['step_ms']:6.1f} ms "
+                  f"({c['step_ms'] / base['step_ms']:.2f}x the step without)")  # fmt: skip
+        if args.csv:
+            path = Path(args.csv).with_name(Path(args.csv).stem + "-costs.csv")
+            write_csv([c | {"cpu": cpu_line()} for c in costs], path)
+    model_args = ["--model", args.model, "--max-batch", str(max(args.clients))]
+    servers = [
+        ("nanoserve", model_args, None),
+        (f"nanoserve --speculative ngram (K {args.k})", model_args + ["--speculative", "ngram",
+         "--num-speculative-tokens", str(args.k)], None),
+    ]  # fmt: skip
+    if args.llama_server:
+        gguf = str(model_gguf(args.model))
+        servers += [
+            ("llama-server", [], gguf),
+            ("llama-server --spec-type ngram-simple", ["--spec-type", "ngram-simple"], gguf),
+        ]
+    loads = {
+        c: _spec_workloads(c, args.requests if c == 1 else c, args.copy_tokens, args.free_tokens)
+        for c in args.clients
+    }
+    print(
+        f"workloads: edit ({len(loads[args.clients[0]]['edit'])}+ requests: 200 lines of code "
+        f"written out again with one rename, up to {args.copy_tokens} tokens), summary (a journal "
+        f"entry's first 50 lines summarized quoting it, up to {args.copy_tokens}), free (chat "
+        f"questions, {args.free_tokens} tokens, ignore_eos); greedy; clients {args.clients}"
+    )
+    rows = []
+    for name, flags, gguf in servers:
+        if gguf is None:
+            srv = ServerProcess(flags, _free_port(), args.threads)
+        else:
+            ctx = args.ctx * max(args.clients)
+            slots, threads = max(args.clients), args.threads or 2
+            srv = PeerProcess(args.llama_server, gguf, _free_port(), slots, ctx, threads, flags)
+        with srv:
+            import httpx
+
+            for clients in args.clients:
+                for kind in SPEC_WORKLOADS:
+                    reqs = loads[clients][kind]
+                    asyncio.run(run_load(srv.url, reqs[:1], 1))  # settle: connections, first allocations
+                    spec = lambda url=srv.url: httpx.get(url + "/health").json().get("speculative")  # noqa: E731
+                    before = spec() if gguf is None else None
+                    report = asyncio.run(run_load(srv.url, reqs, clients))
+                    row = {"server": name, "workload": kind} | summarize(report)
+                    row["decode_tok_s"] = round(1000 / row["tpot_p50_ms"], 1) if row["tpot_p50_ms"] else None
+                    after = spec() if gguf is None else None
+                    if before and after:
+                        kept, tried = (after[k] - before[k] for k in ("accepted_tokens", "draft_tokens"))
+                        row["acceptance"] = round(kept / tried, 3) if tried else 0.0
+                        row["verifications"] = after["verifications"] - before["verifications"]
+                    rows.append(row)
+                    print(
+                        f"{name:>40} | {kind:>7} | {clients:>2} clients | decode {row['decode_tok_s']} tok/s "
+                        f"| out {row['output_tok_s']} tok/s | tokens {row['output_tokens']} | TTFT p50 "
+                        f"{row['ttft_p50_ms']:.0f} ms | acceptance {row.get('acceptance', '-')} | "
+                        f"incomplete {row['incomplete']}",
+                        flush=True,
+                    )
+    print()
+    for clients in args.clients:
+        for kind in SPEC_WORKLOADS:
+            got = {r["server"]: r for r in rows if r["workload"] == kind and r["concurrency"] == clients}
+            spec, off = got[servers[1][0]], got[servers[0][0]]
+            ratio = lambda a, b, k: f"{a[k] / b[k]:.2f}x"  # noqa: E731
+            line = (
+                f"{kind:>7}, {clients:>2} clients: ngram / off decode {ratio(spec, off, 'decode_tok_s')}, "
+                f"out {ratio(spec, off, 'output_tok_s')}"
+            )
+            peer = got.get("llama-server --spec-type ngram-simple")
+            if peer:
+                line += (
+                    f"; against llama-server ngram-simple decode {ratio(spec, peer, 'decode_tok_s')}, "
+                    f"out {ratio(spec, peer, 'output_tok_s')}"
+                )
+            print(line)
+    if args.csv:
+        cpu = cpu_line()
+        write_csv([r | {"cpu": cpu} for r in rows], args.csv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoserve.bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -1426,6 +1569,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--csv", default=None, help="also write every figure to this CSV")
+    p = sub.add_parser("speculative", help="n-gram speculative decoding against none and llama.cpp's")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="a model name or directory")
+    p.add_argument("--k", type=int, default=3, help="--num-speculative-tokens")
+    p.add_argument("--costs", action="store_true", help="first, a step's time by rows and draft tokens")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--requests", type=int, default=2, help="requests of each workload at 1 client")
+    p.add_argument("--copy-tokens", type=int, default=256, help="max_tokens of the copy-heavy requests")
+    p.add_argument("--free-tokens", type=int, default=128, help="max_tokens of the free requests")
+    p.add_argument("--llama-server", default=None, help="a llama-server binary: plain and ngram-simple")
+    p.add_argument("--ctx", type=int, default=4096, help="llama-server's context a slot")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
 
     commands = {
@@ -1435,6 +1590,7 @@ def main(argv: list[str] | None = None) -> int:
         "admission": cmd_admission,
         "tp": cmd_tp,
         "grammar": cmd_grammar,
+        "speculative": cmd_speculative,
     }
     try:
         commands[args.bench](args)

@@ -232,6 +232,15 @@ class BlockAllocator:
         table.blocks.extend(self._take_fresh() for _ in range(need))
         table.num_tokens = max(table.num_tokens, num_tokens)
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back table's blocks past those num_tokens tokens need (speculative decoding: the
+        blocks a rejected draft's positions took). They hold no registered prefix: only tokens
+        whose K/V is kept are ever hashed (`cache_full_blocks`)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(table.blocks) > keep:
+            self._release(table.blocks.pop())
+        table.num_tokens = min(table.num_tokens, num_tokens)
+
     def cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], upto: int | None = None) -> None:
         """Register the hashes of table's blocks that token_ids[:upto] fill, so later prompts can share them.
 

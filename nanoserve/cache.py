@@ -189,10 +189,14 @@ class BatchedPagedKVCache:
         out = torch.zeros_like(q)
         d = plan.num_decode  # a mixed step's decode rows: one query each, batched as in decode
         if d:  # their windows cut to the widest of them, not to the widest prompt of the step
-            window = plan.slot_window[:d, : plan.decode_width]
+            nq = plan.row_spans[d - 1][1]  # their queries: d, or more where a row carries a draft
+            if nq == d:
+                window, context_lens = plan.slot_window[:d, : plan.decode_width], plan.context_lens[:d]
+            else:  # speculative decoding: a row's k+1 queries as k+1 one-query rows on its window
+                window, context_lens = self._draft_rows(plan, d, memo)
             self._step_memo = memo  # one decode window a step, whichever layer slices it
             try:
-                out[:d] = self._one_query_rows(layer, q[:d], window, plan.context_lens[:d])
+                out[:nq] = self._one_query_rows(layer, q[:nq], window, context_lens)
             finally:
                 self._step_memo = None
         window = self.windows[layer]
@@ -231,6 +235,23 @@ class BatchedPagedKVCache:
             o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa, scale=self.scale)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _draft_rows(plan, d: int, memo: dict):
+        """The leading d rows' queries as one-query rows: query j of a row whose chunk ends at
+        context ctx with n tokens sees ctx - n + j + 1 positions of the row's window (a
+        speculative row's newest token and its draft). Once a step, shared by every layer."""
+        got = memo.get("draft rows")
+        if got is None:
+            rows, lens = [], []
+            for r, (start, end, ctx) in enumerate(plan.row_spans[:d]):
+                rows += [r] * (end - start)
+                lens += range(ctx - (end - start) + 1, ctx + 1)
+            device = plan.slot_window.device
+            index = torch.tensor(rows, dtype=torch.long, device=device)
+            window = plan.slot_window[:d, : plan.decode_width].index_select(0, index)
+            got = memo["draft rows"] = (window, torch.tensor(lens, dtype=torch.long, device=device))
+        return got
 
     def _windowed_chunk(self, layer, q, row_window, ctx: int, window: int, memo: dict, r: int):
         """A prompt chunk's queries (n, nh, hd) at positions ctx - n .. ctx - 1 on a sliding

@@ -61,6 +61,36 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "for quantized weights (default: auto)",
     )
     p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="speculative decoding: ngram proposes each decoding row's next tokens from its own "
+        "context (the latest earlier occurrence of its last n-gram) and one forward verifies them; "
+        "the tokens are those decoding without it gives, greedy, and of the same distribution, "
+        "sampled (default: off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=3,
+        metavar="K",
+        help="with --speculative: the most tokens a row proposes a step (default: 3)",
+    )
+    p.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --speculative ngram: the shortest n-gram looked up (default: 2)",
+    )
+    p.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=4,
+        metavar="N",
+        help="with --speculative ngram: the longest n-gram looked up, tried first (default: 4)",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE",
@@ -332,6 +362,10 @@ def weights_options(args) -> dict:
         quant_activations=activations,
         decode_step=args.decode_step,
         chat_template=args.chat_template,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
     )
 
 

@@ -86,6 +86,14 @@ class EngineConfig:
     warm_max_width: int | None = None
     # tensor parallelism (tp.py, under torchrun): seconds every rank has to join the group
     join_timeout: float = 60.0
+    # speculative decoding (speculative.py): "ngram" proposes up to num_speculative_tokens tokens
+    # a decoding row by finding the context's last n-gram (prompt_lookup_max down to
+    # prompt_lookup_min tokens) earlier in its prompt and output; one forward verifies them all.
+    # None: one token a row a step, as before. (vLLM's names for the lookup's bounds.)
+    speculative: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def validate(self) -> EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
@@ -133,6 +141,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.join_timeout > 0:
             raise ValueError(f"join_timeout must be more than 0 seconds, got {self.join_timeout}")
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"speculative is ngram (or unset: off), got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"the n-gram lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         return self

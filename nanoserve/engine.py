@@ -55,6 +55,7 @@ from nanoserve.runner import ModelRunner
 from nanoserve.sampling import SamplingParams, TokenLogprobs, logprobs_of, sample_rows
 from nanoserve.scheduler import Scheduler, Sequence
 from nanoserve.slots import SlotTable
+from nanoserve.speculative import NgramProposer, RowState, SpecStats, accepted_length
 from nanoserve.stopping import StopStrings
 
 
@@ -178,6 +179,17 @@ class Engine:
                 self.window_blocks.local_of, self.window_pool.num_blocks, config.block_size
             )
             self.runner.window_blocks = self.window_blocks
+        self.proposer = None  # speculative decoding's (speculative.py), when config.speculative asks
+        self.spec_stats = SpecStats()
+        if config.speculative == "ngram":
+            if self.window_pool is not None:
+                raise ValueError(
+                    "speculative decoding is not built for a model whose sliding layers have their own "
+                    "blocks (Gemma 3); serve it without --speculative"
+                )
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         self.requests: dict[str, _Request] = {}
         self.held: dict[str, list[Sequence]] = {}  # request id -> samples waiting for its prompt
         self.step_kinds = {"prefill": 0, "decode": 0, "mixed": 0}  # steps run, by what they held
@@ -273,6 +285,8 @@ class Engine:
             )
         if self.malloc is not None:  # build_engine with config.keep_freed_memory (the CLI's)
             schedule += ", freed memory kept" if self.malloc == "kept" else f", malloc as is: {self.malloc}"
+        if self.proposer is not None:
+            schedule += f", {self.proposer.describe()}"
         if self.model.weights in WEIGHTS or self.decode_step == "fused":
             weights, step = f"weights {describe_weights(self.model)}", f"decode step {self.decode_step}"
             return f"paths: {weights}, {linears}, {step}, {attention}, {schedule}"
@@ -390,10 +404,19 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self._release_held()
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if batch.speculative and any(not s.reuse_prefix for s, _, _ in batch.chunks):
+            for seq in batch.decode:  # a prompt being scored this step: its logits' way, no drafts
+                seq.draft.clear()
+            batch.speculative = False
         plan = self.runner.plan(batch)
+        if batch.speculative:
+            self.step_kinds["mixed" if batch.chunks else "decode"] += 1
+            return self._step_speculative(batch, plan)
         self.step_kinds["mixed" if batch.is_mixed else "decode" if batch.is_decode else "prefill"] += 1
         # rows whose prompt is being scored: every position's logits, not only the last
         scored = [i for i, (s, _, _) in enumerate(plan.chunks) if not s.reuse_prefix]
@@ -438,6 +461,116 @@ class Engine:
                 out.logprobs = [score]
             outs.append(self._with_prompt_scores(seq, out))
         return outs
+
+    # --- speculative decoding (speculative.py) ------------------------------------------------
+
+    def _propose(self) -> None:
+        """A draft for each decoding row, cut to what the row may still generate (its accepted
+        drafts and one more token fit max_tokens and the context) and, under a grammar, to what
+        the grammar accepts."""
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if seq.needs_prefill:
+                continue
+            if seq.spec is None:
+                seq.spec = RowState()
+            n = len(seq.token_ids)
+            left = min(seq.max_tokens - (n - len(seq.prompt_ids)), self.max_model_len - n) - 1
+            seq.draft = self.proposer.propose(seq.spec, seq.token_ids, left)
+            if seq.draft and seq.matcher is not None:
+                ends = [i for i, t in enumerate(seq.draft) if t in self.eos_ids]
+                if ends:
+                    del seq.draft[ends[0] :]
+                del seq.draft[seq.matcher.validate_tokens(seq.draft) :]
+
+    def _draft_masks(self, seqs: list[Sequence], drafts: list[list[int]]):
+        """(rows, bitmask) of the grammar rows among the verifying rows: row j of a sequence with
+        a draft is masked by its grammar's state after the draft's first j tokens (copies of the
+        matcher advanced along the draft; the sequence's own matcher moves only as tokens are kept)."""
+        rows, states = [], []
+        for i, (seq, j) in enumerate(zip(seqs, drafts)):
+            if seq.matcher is None:
+                continue
+            state = seq.matcher
+            if j:
+                state = seq.matcher.deep_copy()
+                state.consume_tokens(j)
+            rows.append(i)
+            states.append(state)
+        return (rows, self.grammars.fill(states)) if rows else None
+
+    def _step_speculative(self, batch, plan) -> list[RequestOutput]:
+        """A step in which some decode rows carry drafts: logits at every position of those rows,
+        one draw per position, the longest agreeing prefix kept (speculative.py's module doc)."""
+        d = len(batch.decode)
+        at, spans = [], []
+        for row, (n0, n1, _) in enumerate(plan.row_spans):
+            wide = row < d and plan.rows[row].draft
+            spans.append((len(at), n1 - n0 if wide else 1))
+            at.extend(range(n0, n1) if wide else (n1 - 1,))
+        plan.logits_at = torch.tensor(at, dtype=torch.long, device=plan.logits_at.device)
+        every = self.runner.execute(plan)  # (len(at), V)
+        for seq, _, end in batch.chunks:
+            seq.num_computed = end
+        for seq in batch.decode:
+            seq.num_computed = len(seq.token_ids)  # the drafts' K/V is written, not yet kept
+        for seq in plan.rows:
+            self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        ready = [i for i, s in enumerate(plan.rows) if s.num_computed == len(s.token_ids)]
+        outs = [self._finish_unsampled(plan.rows[i]) for i in ready if plan.rows[i].max_tokens == 0]
+        ready = [i for i in ready if plan.rows[i].max_tokens > 0]
+        # one virtual row per position to draw at: (plan row, draft tokens before it)
+        virtual = [(i, j) for i in ready for j in range(spans[i][1])]
+        seqs = [plan.rows[i] for i, _ in virtual]
+        drafts = [plan.rows[i].draft[:j] for i, j in virtual]
+        picked = every[torch.tensor([spans[i][0] + j for i, j in virtual], device=every.device)]
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        masks = self._draft_masks(seqs, drafts) if any(s.matcher is not None for s in seqs) else None
+        if masks is not None or any(p.adjusts_logits for p in params):
+            history = [(s.token_ids + j, len(s.prompt_ids)) for s, j in zip(seqs, drafts)]
+            tokens = sample_rows(picked, params, generators, history, self.eos_ids, masks)
+        else:
+            tokens = sample_rows(picked, params, generators)
+        scores = self._token_scores(picked, seqs, tokens)
+        v = 0
+        for i in ready:
+            seq, n = plan.rows[i], spans[i][1]
+            drawn, drawn_scores = tokens[v : v + n], scores[v : v + n]
+            v += n
+            draft = seq.draft
+            m = accepted_length(draft, drawn) if draft else 0
+            out = self._append_many(seq, draft[:m] + [drawn[m]], drawn_scores[: m + 1])
+            outs.append(self._with_prompt_scores(seq, out))
+            if draft:
+                stats = self.spec_stats
+                stats.verifications += 1
+                stats.draft_tokens += len(draft)
+                stats.accepted_tokens += m
+                stats.emitted_tokens += len(out.new_token_ids)
+                self.proposer.record(seq.spec, m, len(draft))
+                seq.draft = []
+                if not seq.finished:  # the rejected positions' blocks back to the pool
+                    seq.num_computed = len(seq.token_ids) - 1
+                    self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+                    self.allocator.trim(seq.block_table, len(seq.token_ids))
+        return outs
+
+    def _append_many(self, seq: Sequence, tokens: list, scores: list) -> RequestOutput:
+        """`_append_or_fail` for each token in turn, until the sequence ends; one output for them all."""
+        out = RequestOutput(seq.request_id, [])
+        for token, score in zip(tokens, scores):
+            one = self._append_or_fail(seq, token)
+            out.new_token_ids += one.new_token_ids
+            out.text_delta += one.text_delta
+            if one.text_offsets is not None:
+                out.text_offsets = (out.text_offsets or []) + one.text_offsets
+            if score is not None and one.finish_reason != "error":
+                seq.cumulative_logprob += score.logprob
+                out.logprobs = (out.logprobs or []) + [score]
+            if one.finished:
+                out.finish_reason, out.error = one.finish_reason, one.error
+                break
+        return out
 
     def _execute_scoring(self, plan, scored: list[int]) -> torch.Tensor:
         """Run a prefill step whose rows `scored` want every position's logits. Returns the

@@ -48,11 +48,14 @@ class LoadRequest:
     messages: list[dict] | None
     max_tokens: int
     prompt: list[int] | None = None  # token ids: sent to /v1/completions instead of chat
+    # False: the model's end token ends the answer (complete then means "stop" or "length")
+    ignore_eos: bool = True
 
 
 @dataclass
 class RequestResult:
     asked: int
+    may_stop: bool = False  # the request let the end token finish it early
     tokens: int = 0
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
@@ -68,6 +71,8 @@ class RequestResult:
 
     @property
     def complete(self) -> bool:
+        if self.may_stop and self.error is None and self.finish_reason == "stop":
+            return 0 < self.output_tokens <= self.asked
         return self.error is None and self.finish_reason == "length" and self.output_tokens == self.asked
 
     @property
@@ -96,6 +101,55 @@ def chat_workload(n: int, max_tokens: int = 32, seed: int = 0, vary: bool = Fals
     return out
 
 
+def _identifier_to_rename(code: str) -> str:
+    """The longest identifier used at least three times in `code` (ties: the first seen)."""
+    import re
+
+    words = re.findall(r"\b[a-z_][a-z0-9_]{5,}\b", code)
+    counts = {w: words.count(w) for w in dict.fromkeys(words)}
+    keep = [w for w, c in counts.items() if c >= 3 and not w.startswith("__")]
+    return max(keep, key=len)
+
+
+def copy_workload(kind: str, n: int, max_tokens: int, lines: int = 200) -> list[LoadRequest]:
+    """n chat requests whose answers copy long spans of their prompt (speculative decoding's
+    best case, `bench speculative`), greedy, each ending at the model's end token or max_tokens:
+
+    - "edit": `lines` lines of nanoserve's own source (a different stretch each request), to be
+      written out again in full with one identifier renamed;
+    - "summary": a journal entry's first `lines` // 2 lines, to be summarized quoting its key
+      sentences word for word.
+    """
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent
+    out = []
+    if kind == "edit":
+        files = sorted(f for f in root.glob("*.py") if len(f.read_text().splitlines()) >= lines + 40)
+        for i in range(n):
+            text = files[i % len(files)].read_text().splitlines()
+            start = 40 + (i // len(files)) * lines
+            code = "\n".join(text[start : start + lines])
+            old = _identifier_to_rename(code)
+            ask = (
+                f"Here is some Python code:\n\n```python\n{code}\n```\n\nRewrite it in full with one "
+                f"change: rename `{old}` to `{old}_v2` everywhere. Reply with the code only."
+            )
+            out.append(LoadRequest([{"role": "user", "content": ask}], max_tokens, ignore_eos=False))
+    elif kind == "summary":
+        entries = sorted((root.parent / "journal").glob("day-*.md"))
+        for i in range(n):
+            passage = "\n".join(entries[(7 * i + 3) % len(entries)].read_text().splitlines()[: lines // 2])
+            ask = (
+                "Summarize the following passage in a few paragraphs, quoting its key sentences "
+                f"word for word:\n\n{passage}"
+            )
+            out.append(LoadRequest([{"role": "user", "content": ask}], max_tokens, ignore_eos=False))
+    else:
+        raise ValueError(f"a copy workload is edit or summary, not {kind!r}")
+    return out
+
+
 def token_workload(
     n: int, prompt_len=(16, 256), output_len=(16, 128), vocab: int = 49152, seed: int = 0, first_id: int = 17
 ) -> list[LoadRequest]:
@@ -121,11 +175,11 @@ async def stream_one(
     Tokens per chunk are counted from `token_ids` (nanoserve's extension) or `tokens` (what
     llama.cpp's server sends when asked with `return_tokens`); a server that sends neither is
     taken at one token per chunk with text, and its final `usage` has the last word."""
-    res = RequestResult(asked=req.max_tokens)
+    res = RequestResult(asked=req.max_tokens, may_stop=not req.ignore_eos)
     body = {
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": req.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,

@@ -87,6 +87,20 @@ class _EngineCollector:
         for name, doc, value in values:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("nanoserve_preemptions", "Requests preempted.", value=sched.num_preemptions)
+        if engine.proposer is not None:  # speculative decoding (speculative.py)
+            spec = engine.spec_stats
+            for name, doc, value in [
+                ("nanoserve_spec_verifications", "Rows that ran with a draft.", spec.verifications),
+                ("nanoserve_spec_draft_tokens", "Draft tokens proposed and verified.", spec.draft_tokens),
+                ("nanoserve_spec_accepted_tokens", "Draft tokens kept.", spec.accepted_tokens),
+                ("nanoserve_spec_emitted_tokens", "Tokens the verifying rows produced.", spec.emitted_tokens),
+            ]:
+                yield CounterMetricFamily(name, doc, value=value)
+            yield GaugeMetricFamily(
+                "nanoserve_spec_mean_accepted_length",
+                "Tokens a verifying row produced on average (kept drafts and one more).",
+                value=spec.mean_accepted_length,
+            )
         yield CounterMetricFamily(
             "nanoserve_cold_captures", "Graphs recorded mid-run.", value=runner.cold_captures
         )

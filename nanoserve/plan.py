@@ -38,6 +38,7 @@ class StepPlan:
     rows: tuple = ()
     is_decode: bool = False
     row_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, ctx) in N
+    verify: bool = False  # plan_verify's: decode rows, a row's draft as more one-token rows
 
     @property
     def num_tokens(self) -> int:
@@ -65,15 +66,16 @@ def slot_window(block_lists: list[list[int]], block_size: int, device) -> torch.
     return window.reshape(len(block_lists), width * block_size).to(device)
 
 
-def plan_prefill(chunks, block_size: int, device="cpu") -> StepPlan:
-    """chunks: (seq, start, end) with seq.token_ids and seq.block_table.blocks covering end."""
+def plan_prefill(chunks, block_size: int, device="cpu", drafts: bool = False) -> StepPlan:
+    """chunks: (seq, start, end) with seq.token_ids and seq.block_table.blocks covering end.
+    `drafts`: a chunk may run past seq.token_ids into seq.draft (speculative decoding)."""
     if not chunks:
         raise ValueError("a prefill plan needs at least one chunk")
     ids, pos, slots, spans, ctx, last = [], [], [], [], [], []
     for seq, start, end in chunks:
         table = seq.block_table
         n0 = len(ids)
-        ids += seq.token_ids[start:end]
+        ids += (seq.token_ids + seq.draft)[start:end] if drafts and seq.draft else seq.token_ids[start:end]
         pos += range(start, end)
         slots += table.slots(start, end)
         spans.append((n0, len(ids), end))
@@ -115,6 +117,39 @@ def plan_decode(seqs, block_size: int, device="cpu") -> StepPlan:
         rows=tuple(seqs),
         is_decode=True,
         row_spans=[(i, i + 1, p + 1) for i, p in enumerate(pos)],
+    )
+
+
+def plan_verify(seqs, block_size: int, device="cpu") -> StepPlan:
+    """Decode rows where some carry a draft (speculative decoding), for the fused step: a row
+    with draft d1..dk becomes k + 1 one-token rows, its newest token and each draft token, at
+    positions len - 1 .. len - 1 + k, each attending over its sequence's window up to and
+    including itself. A step writes every row's K/V before any row attends, so the later rows
+    see the earlier ones' K/V; each row is computed as a decode row is, so a kept token's logits
+    are those a step without drafts gives. row_spans[r] = (first, end, ctx) of sequence r's rows;
+    logits come back for every row."""
+    ids, pos, slots, ctx, spans, blocks = [], [], [], [], [], []
+    for s in seqs:
+        n, table = len(s.token_ids), s.block_table
+        first = len(ids)
+        for j, t in enumerate(s.token_ids[-1:] + s.draft):
+            ids.append(t)
+            pos.append(n - 1 + j)
+            slots.append(table.slot(n - 1 + j))
+            ctx.append(n + j)
+            blocks.append(table.blocks)
+        spans.append((first, len(ids), n + len(s.draft)))
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return StepPlan(
+        input_ids=as_long(ids),
+        positions=as_long(pos),
+        write_slots=as_long(slots),
+        context_lens=as_long(ctx),
+        slot_window=slot_window(blocks, block_size, device),
+        logits_at=torch.arange(len(ids), dtype=torch.long, device=device),
+        rows=tuple(seqs),
+        row_spans=spans,
+        verify=True,
     )
 
 

@@ -23,7 +23,7 @@ import torch
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.capture import CudaGraph, HostGraph
 from nanoserve.models import Llama
-from nanoserve.plan import StepPlan, plan_decode, plan_decode_bucketed, plan_prefill
+from nanoserve.plan import StepPlan, plan_decode, plan_decode_bucketed, plan_prefill, plan_verify
 from nanoserve.scheduler import Batch, Sequence
 
 
@@ -66,10 +66,12 @@ class ModelRunner:
             return plan_decode_bucketed(seqs, self.slot_table, self.buckets, self.inputs, device)
         if batch.is_decode:
             return plan_decode(batch.decode, self.block_size, device)
+        if batch.speculative and self.fused and not batch.chunks:  # drafts through the fused step
+            return plan_verify(batch.decode, self.block_size, device)
         # prefill, or a mixed step: decode rows ride along as one-token chunks, first
-        plan = plan_prefill(batch.as_chunks(), self.block_size, device)
+        plan = plan_prefill(batch.as_chunks(), self.block_size, device, batch.speculative)
         plan.num_decode = len(batch.decode)
-        plan.decode_width = max((len(s.token_ids) for s in batch.decode), default=0)
+        plan.decode_width = max((len(s.token_ids) + len(s.draft) for s in batch.decode), default=0)
         return plan
 
     def _sync_rows(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -100,7 +102,7 @@ class ModelRunner:
         tp = getattr(self.model, "tp", None)
         if tp is not None:  # tensor parallel: every rank runs this plan (tp.py)
             tp.announce(plan)
-        if self.fused and plan.is_decode:
+        if self.fused and (plan.is_decode or plan.verify):
             return self.model.fused_decode(plan, self.cache)
         return self.model(plan.input_ids, plan.positions, self.cache.view(plan), logits_at=plan.logits_at)
 

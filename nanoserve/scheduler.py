@@ -80,6 +80,10 @@ class Sequence:
     prompt_lp_sent: bool = False  # handed out with the first output
     cumulative_logprob: float = 0.0  # of the generated tokens, when their scores are computed
     matcher: object | None = None  # structured output: the grammar's state (an llguidance LLMatcher)
+    # speculative decoding (speculative.py): the tokens proposed for this step, verified with the
+    # newest one in a single chunk, and the proposer's state for this sequence
+    draft: list[int] = field(default_factory=list)
+    spec: object | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -105,11 +109,12 @@ class Batch:
 
     chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
+    speculative: bool = False  # some decode row carries a draft (its chunk is 1 + len(draft) tokens)
 
     @property
     def is_decode(self) -> bool:
-        """Only decode rows: the step the bucketed and captured paths serve."""
-        return bool(self.decode) and not self.chunks
+        """Only one-token decode rows: the step the bucketed and captured paths serve."""
+        return bool(self.decode) and not self.chunks and not self.speculative
 
     @property
     def is_mixed(self) -> bool:
@@ -120,7 +125,11 @@ class Batch:
         return self.decode + [s for s, _, _ in self.chunks]
 
     def as_chunks(self) -> list[tuple[Sequence, int, int]]:
-        """Every row as a chunk, decode rows first: a decode row is its newest token's chunk."""
+        """Every row as a chunk, decode rows first: a decode row is its newest token's chunk
+        (and its draft's, when it carries one)."""
+        if self.speculative:
+            rows = [(s, len(s.token_ids) - 1, len(s.token_ids) + len(s.draft)) for s in self.decode]
+            return rows + self.chunks
         return [(s, len(s.token_ids) - 1, len(s.token_ids)) for s in self.decode] + self.chunks
 
 
@@ -177,14 +186,16 @@ class Scheduler:
     def _schedule_budget(self) -> Batch:
         """Decode rows first, one token each; then prompt chunks in what is left of the budget."""
         preemptions = self.num_preemptions
-        batch = self._schedule_decode(
-            [s for s in self.running if not s.needs_prefill], self.max_num_batched_tokens
-        )
+        decoding = [s for s in self.running if not s.needs_prefill]
+        batch = self._schedule_decode(decoding, self.max_num_batched_tokens)
         # a step that had to preempt admits nothing new: the pool is short already
         admit = self.num_preemptions == preemptions
         self._slotted = {id(s) for s in batch.decode}  # their slot for this step is taken
         try:
-            return self._schedule_prefill(self.max_num_batched_tokens - len(batch.decode), batch, admit)
+            used = len(batch.decode)
+            if batch.speculative:  # and the drafts the decode rows carry
+                used += sum(len(s.draft) for s in batch.decode)
+            return self._schedule_prefill(self.max_num_batched_tokens - used, batch, admit)
         finally:
             self._slotted = set()
 
@@ -258,16 +269,36 @@ class Scheduler:
 
     def _schedule_decode(self, seqs: list[Sequence] | None = None, limit: int | None = None) -> Batch:
         """One token for each of seqs (default: every running sequence), oldest first, at most
-        `limit` of them; a sequence that needs a block when none is free preempts the newest."""
+        `limit` of them; a sequence that needs a block when none is free preempts the newest.
+
+        A row carrying a draft (speculative decoding) needs 1 + len(draft) tokens: the draft gets
+        what the budget has left once every row's own token is counted, and is cut, or dropped,
+        before anyone is preempted for its blocks."""
         batch = Batch()
-        for seq in sorted(self.running if seqs is None else seqs, key=lambda s: s.arrival):
+        order = sorted(self.running if seqs is None else seqs, key=lambda s: s.arrival)
+        spare = None  # budget left for drafts, once each row that can run has its one token
+        for seq in order:
             if seq not in self.running:
                 continue  # preempted below while making room for an older one
             if limit is not None and len(batch.decode) >= limit:
                 break
+            if seq.draft:
+                if spare is None:
+                    rows = len(order) if limit is None else min(limit, len(order))
+                    spare = (limit - rows) if limit is not None else 1 << 30
+                del seq.draft[max(spare, 0) :]
             while True:
                 try:
-                    self.allocator.append_slots(seq.block_table, len(seq.token_ids))
+                    if seq.draft:
+                        try:
+                            self.allocator.append_slots(seq.block_table, len(seq.token_ids) + len(seq.draft))
+                        except NoFreeBlocks:
+                            seq.draft.clear()  # a draft is never worth a preemption
+                            continue
+                        spare -= len(seq.draft)
+                        batch.speculative = True
+                    else:
+                        self.allocator.append_slots(seq.block_table, len(seq.token_ids))
                     batch.decode.append(seq)
                     break
                 except NoFreeBlocks:
@@ -282,6 +313,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         self.on_leave(seq)
+        seq.draft.clear()
         self.recomputed_tokens += seq.num_computed
         seq.num_computed = 0
         seq.num_preemptions += 1

@@ -115,6 +115,8 @@ def health(state: ServerState) -> tuple[dict, int]:
         "waiting": len(eng.scheduler.waiting),
         "kv_blocks_used": eng.allocator.num_used,
     }
+    if eng.proposer is not None:  # speculative decoding: what it proposed and kept so far
+        body["speculative"] = {"method": "ngram", "k": eng.proposer.k} | eng.spec_stats.as_dict()
     return body | tp_dict(eng), 200
 
 
@@ -126,6 +128,8 @@ def boot_line(engine: Engine, address: str | None = None) -> str:
     if engine.model.weights in WEIGHTS or engine.decode_step == "fused":
         # the fused step has no per-shape setup (nothing compiled or recorded): 0 s at boot
         where = f" · weights {describe_weights(engine.model)} · decode step {engine.decode_step}" + where
+    if engine.proposer is not None:
+        where = f" · {engine.proposer.describe()}" + where
     tp = getattr(engine.model, "tp", None)
     if tp is not None:
         where = f" · tensor parallel {tp.world} ranks ({tp.backend})" + where
