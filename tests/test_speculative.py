@@ -316,14 +316,22 @@ def smollm_engines(smollm_dir):
     from nanoserve.config import EngineConfig
     from nanoserve.engine import build_engine
 
-    base = dict(weights="gguf", quant_activations="int8", max_batch=4, max_model_len=1024)
+    # fp32 activations over the GGUF's blocks (the fused step still runs): a server's steps
+    # depend on when requests arrive (a decode row in a step with a prompt chunk takes the torch
+    # ops, one without takes the fused call), and their float sums differ in the last bit. With
+    # fp32 that moves a logit by ~1e-6, so tokens part only at a near-tie (TIE, the rule of
+    # tests/test_engine.py); int8 activations magnify it to ~0.1 (tests/test_quant.py's
+    # INT8_TIE), too wide a net to catch a wrong draft. A row's int8 product itself is batch
+    # invariant (test_quant.py's test_an_int8_rows_product_does_not_depend_on_its_neighbours).
+    base = dict(weights="gguf", quant_activations="fp32", max_batch=4, max_model_len=1024)
     return {spec: build_engine(EngineConfig(speculative=spec, **base)) for spec in (None, "ngram")}
 
 
 def test_smollm_greedy_tokens_equal_without_drafts_through_the_server(smollm_engines):
     """SmolLM2's Q4_1 GGUF on the fused step, served: four chat requests sent together with
     different lengths (rows join and leave), greedy, each answer's tokens equal with drafts and
-    without; the drafts were verified and many kept; /health and /metrics report them."""
+    without (or parting at a near-tie: which steps mix a prompt chunk with decode rows depends on
+    arrival times); the drafts were verified and many kept; /health and /metrics report them."""
     import threading
 
     import httpx
@@ -355,7 +363,11 @@ def test_smollm_greedy_tokens_equal_without_drafts_through_the_server(smollm_eng
             metrics = httpx.get(url + "/metrics").text
         answers[spec] = got
         assert eng.allocator.num_used == 0
-    assert answers["ngram"] == answers[None]
+    eng, ties = smollm_engines[None], []
+    for i, (ref, got) in enumerate(zip(answers[None], answers["ngram"])):
+        prompt = eng.encode_prompt([{"role": "user", "content": COPY_ASKS[i]}])
+        check_same_or_near_tie(eng.model, prompt, ref, got, ties)
+    assert len(ties) <= 1, ties
     spec = health["speculative"]
     assert spec["verifications"] > 10 and spec["accepted_tokens"] > 20, spec
     assert f"nanoserve_spec_accepted_tokens_total {float(spec['accepted_tokens'])}" in metrics
@@ -406,7 +418,13 @@ def test_smollm_stop_strings_logprobs_and_a_grammar_with_drafts(smollm_engines):
         assert eng.allocator.num_used == 0
         if spec:
             assert eng.spec_stats.accepted_tokens - before > 20
-    assert results["ngram"] == results[None]
+    eng, ties = smollm_engines[None], []
+    for (m, _), ref, got in zip(asks, results[None], results["ngram"]):
+        if ref["tokens"] != got["tokens"]:  # only at a near-tie (see smollm_engines)
+            check_same_or_near_tie(eng.model, eng.encode_prompt(m), ref["tokens"], got["tokens"], ties)
+        else:
+            assert got == ref
+    assert len(ties) <= 1, ties
     stop, scored, guided = results["ngram"]
     assert stop["finish"] == "stop" and "cherries" not in stop["text"]
     assert len(scored["scores"]) == len(scored["tokens"])
