@@ -500,7 +500,8 @@ def shard(full, rank: int, world: int):
 
 def engine_config(config):
     """The config a tensor-parallel engine runs: eager steps (no buckets, persistent inputs,
-    capture or fused step), unquantized weights; quantized weights are refused with a sentence."""
+    capture or fused step), unquantized weights; quantized weights and speculative decoding are
+    refused with a sentence."""
     if config.weights:
         raise NanoserveError(
             f"tensor parallelism splits unquantized matrices; --weights {config.weights} is not split "
@@ -509,6 +510,11 @@ def engine_config(config):
     if config.decode_step == "fused":
         raise NanoserveError(
             "the fused decode step runs in one process; under tensor parallelism steps are torch ops"
+        )
+    if config.speculative:
+        raise NanoserveError(
+            "speculative decoding is not built for tensor parallelism (a verify step's plan is not "
+            "sent to the other ranks); serve it in one process, or drop --speculative"
         )
     return dataclasses.replace(
         config, bucket_decode=False, persist_inputs=False, capture_decode=False, decode_step="ops"

@@ -429,3 +429,21 @@ def test_smollm_stop_strings_logprobs_and_a_grammar_with_drafts(smollm_engines):
     assert stop["finish"] == "stop" and "cherries" not in stop["text"]
     assert len(scored["scores"]) == len(scored["tokens"])
     assert json.loads(guided["text"])["name"] == "Ada Lovelace"
+
+
+def test_what_speculation_is_not_built_for_is_refused_with_a_sentence():
+    """Tensor parallelism (its ranks are sent decode and prefill plans, not a verify step's) and
+    bad settings are refused before anything loads."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.errors import NanoserveError
+    from nanoserve.tp import engine_config
+
+    with pytest.raises(NanoserveError, match="not built for tensor parallelism"):
+        engine_config(EngineConfig(speculative="ngram"))
+    assert engine_config(EngineConfig()).decode_step == "ops"
+    for kw, msg in [
+        (dict(speculative="eagle"), "speculative is ngram"),
+        (dict(speculative="ngram", num_speculative_tokens=0), "at least 1"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            EngineConfig(**kw).validate()
