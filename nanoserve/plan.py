@@ -38,13 +38,22 @@ class StepPlan:
     rows: tuple = ()
     is_decode: bool = False
     row_spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, ctx) in N
-    verify: bool = False  # plan_verify's: decode rows, a row's draft as more one-token rows
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     chunks = ()  # not a field: a decode plan has no chunks (PrefillPlan's are its rows)
+    verify = False  # not a field: only a VerifyPlan verifies drafts
+
+
+@dataclass
+class VerifyPlan(StepPlan):
+    """plan_verify's: decode rows, a row's draft as more one-token rows (speculative decoding).
+    A subclass, not a field, so a decode plan's fields (what a decode graph binds, day 50) are
+    unchanged."""
+
+    verify = True
 
 
 @dataclass
@@ -140,7 +149,7 @@ def plan_verify(seqs, block_size: int, device="cpu") -> StepPlan:
             blocks.append(table.blocks)
         spans.append((first, len(ids), n + len(s.draft)))
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return StepPlan(
+    return VerifyPlan(
         input_ids=as_long(ids),
         positions=as_long(pos),
         write_slots=as_long(slots),
@@ -149,7 +158,6 @@ def plan_verify(seqs, block_size: int, device="cpu") -> StepPlan:
         logits_at=torch.arange(len(ids), dtype=torch.long, device=device),
         rows=tuple(seqs),
         row_spans=spans,
-        verify=True,
     )
 
 

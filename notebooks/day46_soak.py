@@ -67,11 +67,16 @@ print(cpu_line())
 # tokenizer, so prompts are token ids; 4 rows, a 256-token context and a pool of 64 blocks of
 # 16 tokens. `ServerThread` is uvicorn on a free loopback port. The hang-up client asks for 200
 # tokens, reads three events and closes the connection; while it reads, its blocks are held,
-# and once it is gone `/health` must say 0 again.
+# and once it is gone `/health` must say 0 again. The tiny model can write all 200 tokens before
+# a busy machine's client has read three, so for this cell each step waits 5 ms first.
 
 # %%
+import time
+
 engine = soak.make_engine(tiny_llama(0))
 blocks = engine.allocator.num_blocks
+plain_step = engine.step
+engine.step = lambda: (time.sleep(0.005), plain_step())[1]  # the hang-up lands mid-answer
 print("pool:", blocks, "blocks of", engine.allocator.block_size, "tokens | rows:", engine.config.max_batch)
 with ServerThread(create_app(engine)) as url, httpx.Client(timeout=60) as http:
     print("idle:", {k: http.get(url + "/health").json()[k] for k in ("running", "waiting", "kv_blocks_used")})
@@ -97,6 +102,7 @@ with ServerThread(create_app(engine)) as url, httpx.Client(timeout=60) as http:
 print("the server's count of ended requests, by finish reason:", dict(sorted(ended.items())))
 assert ok.status_code == 200 and bad.status_code == 400 and held["kv_blocks_used"] > 0
 assert after["kv_blocks_used"] == 0 and ended == {"length": 1, "abort": 1}
+engine.step = plain_step
 
 # %% [markdown]
 # The bad body never reached the engine: it is in no count of ended requests, because it never
