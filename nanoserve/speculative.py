@@ -42,8 +42,8 @@ Q4_K_M on a 2-core AVX-512 EPYC (`bench speculative --costs`, evals/speculative-
 one-row decode step 11.7 ms, the same row with 1, 3 and 7 draft tokens 16.2, 24.2 and 55.9 ms; 16
 rows 79.9 ms, with 1 and 3 draft tokens each 106.9 and 189.6 ms. At one row the weights'
 bandwidth sets the step, and each extra query row adds its arithmetic, about 4.2 ms (2.3 ms a row
-at 16 rows); so a draft token pays only if it is kept about half the time or more (a kept token saves a whole
-step's share, a refused one costs its row). Each row therefore keeps the drafts it proposed and
+at 16 rows); so a draft token pays only if it is kept about half the time or more (a kept token
+saves a whole step's share, a refused one costs its row). Each row therefore keeps the drafts it proposed and
 kept over its last `WINDOW` verifications; once it has `WINDOW` of them and fewer than
 `MIN_RATE` of the proposed tokens were kept, it stops proposing for `pause` steps (8, doubling on
 each further failure up to 256, back to 8 once a window passes). The default K is 3 because four

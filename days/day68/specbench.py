@@ -47,6 +47,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.course import write_csv
 from nanoserve.engine import build_engine
 from nanoserve.sampling import SamplingParams
+from nanoserve.speculative import SpecStats
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 128
@@ -138,7 +139,7 @@ def measure(engines: dict, workload: str, rows: int, prompts=None, repeats: int 
     off = runs[None]
     out = []
     for spec, r in runs.items():
-        s = r["stats"]
+        s = SpecStats(**r["stats"])  # the run's own counters, for the package's two rates
         tokens = sum(len(t) for t in r["tokens"])
         out.append(
             {
@@ -149,15 +150,11 @@ def measure(engines: dict, workload: str, rows: int, prompts=None, repeats: int 
                 "seconds": round(r["seconds"], 2),
                 "tok_s": round(tokens / r["seconds"], 1),
                 "ratio_to_off": round(off["seconds"] / r["seconds"], 2),
-                "verifications": s["verifications"],
-                "draft_tokens": s["draft_tokens"],
-                "accepted_tokens": s["accepted_tokens"],
-                "acceptance_rate": round(s["accepted_tokens"] / s["draft_tokens"], 3)
-                if s["draft_tokens"]
-                else 0.0,
-                "mean_accepted_length": round(s["emitted_tokens"] / s["verifications"], 2)
-                if s["verifications"]
-                else 0.0,
+                "verifications": s.verifications,
+                "draft_tokens": s.draft_tokens,
+                "accepted_tokens": s.accepted_tokens,
+                "acceptance_rate": round(s.acceptance_rate, 3),
+                "mean_accepted_length": round(s.mean_accepted_length, 2),
                 "tokens_equal": r["tokens"] == off["tokens"],
                 "cpu": cpu_line(),
             }

@@ -409,13 +409,14 @@ void rows_q8(const XQ& xq, int64_t r0, const Weight& w, float* y, int64_t ldy, i
   constexpr bool Q4 = KIND == 1 || KIND == 3, SPLIT = KIND >= 3;
   constexpr int64_t CHUNK = 64;
   // Four FMA chains a row, whatever MR (a chunk's blocks in turn, its last few past a multiple of
-  // four on the first chain; the four summed in one order at the end), so a row's sum is taken in the same order however many rows share the
-  // call, and its result is bit for bit the same alone, in a decode batch of any size or among a
-  // speculative step's draft rows (batch invariance, which int8 needs more than fp32 does: a
-  // last-bit change can move an activation's rounding by a whole step). One row is computed as
-  // it was before; rows in groups once kept 2 or 1 chains, which differed from it. The price, on
-  // an AVX2 build (16 vector registers; four rows of four chains spill): a 64-row product of
-  // SmolLM2's matrices takes ~20% longer (the gate/up 1.51 ms against 1.30), one row the same.
+  // four on the first chain; the four summed in one order at the end), so a row's sum is taken in
+  // the same order however many rows share the call, and its result is bit for bit the same
+  // alone, in a decode batch of any size or among a speculative step's draft rows (batch
+  // invariance, which int8 needs more than fp32 does: a last-bit change can move an activation's
+  // rounding by a whole step). One row is computed as it was before; rows in groups once kept 2
+  // or 1 chains, which differed from it. The price, on an AVX2 build (16 vector registers; four
+  // rows of four chains spill): a 64-row product of SmolLM2's matrices takes ~20% longer (the
+  // gate/up 1.51 ms against 1.30), one row the same.
   constexpr int A = 4;
   const int64_t groups = w.cols / QK, cols = w.cols;
   const __m256i ones = _mm256_set1_epi16(1);
