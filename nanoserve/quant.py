@@ -32,6 +32,10 @@ from 5.9 to ~3.2 ms. Tiles hold every byte
 of the file's blocks (`untile_rows` gives them back) plus, for Q8_0, each block's int16 code
 sum (the kernel feeds x as xq + 128, an unsigned operand, and takes 128 * sum off): 1.8 MB
 more for SmolLM2's head. An AVX2-only CPU keeps the split layout and its kernels unchanged.
+A K-quant file's Q5_0 matrices go into tiles too (`TILES_KINDS`, csrc/kquant.cpp's kind 13: the
+same 22 bytes a block and row, their fifth bits reordered for the kernel), which made a 4-row
+product of Qwen2.5-0.5B's Q5_0 matrices cost about what one row's does (4.9-5.2 ms against
+~10 ms in the file's layout): what a speculative step that verifies drafts multiplies.
 
 The products run in the native kernel (`csrc/quant.cpp`), which widens each block to fp32 in
 registers as it goes: the weights it multiplies by are bit for bit the dequantized fp32 weights
@@ -54,7 +58,7 @@ KINDS = {"f32": 0, "q4_1": 1, "q8_0": 2}  # the native kernel's codes
 # the K-quant files' other types (csrc/kquant.cpp), read in the file's layout only
 KINDS.update({"q4_0": 7, "q5_0": 8, "q5_1": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12})
 SPLIT_KINDS = {"q4_1": 3, "q8_0": 4}  # the same kinds in the split layout
-TILES_KINDS = {"q4_1": 5, "q8_0": 6}  # and in tiles
+TILES_KINDS = {"q4_1": 5, "q8_0": 6, "q5_0": 13}  # and in tiles (Q5_0: csrc/kquant.cpp's)
 LAYOUTS = ("gguf", "split", "tiles")
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK}
@@ -63,7 +67,8 @@ BLOCK_VALUES = {"q4_1": BLOCK, "q8_0": BLOCK}
 for _kind, (_values, _bytes) in kquants.BLOCKS.items():
     BLOCK_BYTES[_kind], BLOCK_VALUES[_kind] = _bytes, _values
 TILE = 16  # rows a tile
-TILE_BLOCK_BYTES = {"q4_1": 20, "q8_0": 36}  # a row's block in tiles: Q8_0 adds its codes' int16 sum
+# a row's block in tiles: Q8_0 adds its codes' int16 sum
+TILE_BLOCK_BYTES = {"q4_1": 20, "q8_0": 36, "q5_0": 22}
 # the quantized choices of EngineConfig.weights / --weights; "gguf" is a GGUF's matrices in
 # whatever types it holds them (a Q4_K_M file's mix), each as the file has it
 WEIGHTS = ("q4_1", "q8_0", "gguf")
@@ -103,8 +108,11 @@ class QuantTensor:
             raise NanoserveError(f"a {kind} matrix has columns in blocks of {values}; this one has {cols}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout is one of {', '.join(LAYOUTS)}, not {layout!r}")
-        if layout != "gguf" and kind not in SPLIT_KINDS:
-            raise ValueError(f"{kind} matrices are kept in the file's layout; {layout} is for q4_1 and q8_0")
+        if layout == "split" and kind not in SPLIT_KINDS:
+            raise ValueError(f"{kind} matrices are kept in the file's layout; split is for q4_1 and q8_0")
+        if layout == "tiles" and kind not in TILES_KINDS:
+            tiled = ", ".join(TILES_KINDS)
+            raise ValueError(f"{kind} matrices are kept in the file's layout; tiles are for {tiled}")
         want = (rows, cols // values * BLOCK_BYTES[kind])
         if layout == "tiles":  # one row of bytes a tile of 16 rows
             want = (-(-rows // TILE), cols // BLOCK * TILE * TILE_BLOCK_BYTES[kind])
@@ -198,7 +206,7 @@ class QuantTensor:
         if ext is not None:
             return ext.dequantize(self.blocks, self.code, *self.shape)
         if self.kind not in SPLIT_KINDS:
-            return kquants.dequantize(self.blocks, self.kind, self.shape)
+            return kquants.dequantize(self.gguf_blocks(), self.kind, self.shape)
         return dequantize_torch(self.gguf_blocks(), self.kind, self.shape)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -218,7 +226,7 @@ class QuantTensor:
         ext = _native()
         if ext is None and self.kind not in SPLIT_KINDS:
             ids = ids.reshape(-1)
-            return kquants.dequantize(self.blocks[ids], self.kind, (ids.numel(), self.shape[1]))
+            return kquants.dequantize(self.gguf_blocks(ids), self.kind, (ids.numel(), self.shape[1]))
         if ext is not None:
             # the true row count: tiles store padding rows past it, which no id may reach
             return ext.embed_rows(
@@ -295,12 +303,21 @@ def gguf_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.cat([p.reshape(rows, g, -1) for p in parts], dim=-1).reshape(rows, row_bytes)
 
 
+# Q5_0 in tiles: bit 8k + c of a row's 32-bit word of fifth bits is the fifth bit of byte k of
+# code vector c, which is code 4c + k (c < 4: the low nibbles) or 16 + 4(c - 4) + k (the high
+# ones); _Q5_BITS[i] is the code whose bit goes to bit i (csrc/kquant.cpp's q5t_bit).
+_Q5_BITS = torch.tensor(
+    [(4 * c + k if c < 4 else 16 + 4 * (c - 4) + k) for k in range(4) for c in range(8)], dtype=torch.int64
+)
+
+
 def tile_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """(rows, row bytes) in the file's layout -> tiles of 16 rows (csrc/quant.cpp, kinds 5 and 6):
-    the rows padded with zero rows to a multiple of 16; for tile t and block g, the 16 rows'
-    fp16 scales, their fp16 minimums (Q4_1) or the int16 sums of their codes (Q8_0), then the
-    codes four bytes at a time, bytes 4c..4c+3 of each of the 16 rows for c = 0, 1, ... Every
-    byte of the file's blocks is kept; (tiles, blocks * 16 * block bytes) uint8."""
+    """(rows, row bytes) in the file's layout -> tiles of 16 rows (csrc/quant.cpp, kinds 5 and 6;
+    csrc/kquant.cpp, kind 13): the rows padded with zero rows to a multiple of 16; for tile t and
+    block g, the 16 rows' fp16 scales, their fp16 minimums (Q4_1), the int16 sums of their codes
+    (Q8_0) or their words of fifth bits in the kernel's order (Q5_0, `_Q5_BITS`), then the codes
+    four bytes at a time, bytes 4c..4c+3 of each of the 16 rows for c = 0, 1, ... Every byte of
+    the file's blocks is kept; (tiles, blocks * 16 * block bytes) uint8."""
     rows, row_bytes = blocks.shape
     g = row_bytes // BLOCK_BYTES[kind]
     t = -(-rows // TILE)
@@ -310,6 +327,14 @@ def tile_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "q4_1":
         head = b[..., :4].reshape(t, g, TILE, 2, 2).transpose(2, 3).reshape(t, g, 64)  # 16 d, 16 m
         codes = b[..., 4:]
+    elif kind == "q5_0":  # 16 d, then each row's fifth bits reordered (_Q5_BITS), then the nibbles
+        qh = b[..., 2:6].contiguous().view(torch.int32).to(torch.int64)[..., 0]  # (tiles, blocks, 16)
+        perm = ((qh[..., None] >> _Q5_BITS) & 1) << torch.arange(32)
+        perm = perm.sum(-1)
+        perm = torch.where(perm >= 2**31, perm - 2**32, perm).to(torch.int32)
+        bits = perm.contiguous().view(torch.uint8).reshape(t, g, 64)
+        head = torch.cat([b[..., :2].reshape(t, g, 32), bits], -1)
+        codes = b[..., 6:]
     else:
         sums = b[..., 2:].view(torch.int8).to(torch.int16).sum(-1, dtype=torch.int16)
         head = torch.cat(
@@ -327,11 +352,18 @@ def untile_rows(tiles: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     g = tiles.shape[1] // tb
     b = tiles.reshape(t, g, tb)
     d = b[..., :32].reshape(t, g, TILE, 2)
+    head = 96 if kind == "q5_0" else 64
     if kind == "q4_1":
         parts = [d, b[..., 32:64].reshape(t, g, TILE, 2)]
+    elif kind == "q5_0":
+        perm = b[..., 32:96].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (t, g, 16)
+        bits = (perm[..., None] >> torch.arange(32)) & 1  # bit i of the tiles' word
+        qh = (bits << _Q5_BITS).sum(-1)
+        qh = torch.where(qh >= 2**31, qh - 2**32, qh).to(torch.int32)
+        parts = [d, qh.contiguous().view(torch.uint8).reshape(t, g, TILE, 4)]
     else:
         parts = [d]  # the sums are derived; the file does not hold them
-    codes = b[..., 64:].reshape(t, g, -1, TILE, 4).transpose(2, 3).reshape(t, g, TILE, -1)
+    codes = b[..., head:].reshape(t, g, -1, TILE, 4).transpose(2, 3).reshape(t, g, TILE, -1)
     out = torch.cat(parts + [codes], -1).transpose(1, 2).reshape(t * TILE, -1)
     return out[:rows].contiguous()
 

@@ -140,3 +140,81 @@ def test_columns_not_in_whole_super_blocks_are_a_sentence():
         native.quant_linear(
             torch.zeros(1, 896), torch.zeros(2 * 504, dtype=torch.uint8), KINDS["q4_k"], 2, False
         )
+
+
+# --- Q5_0 in tiles (kind 13) and batch invariance ---------------------------------------------
+
+
+def q5_0_tiles(rows: int, cols: int, seed: int):
+    """A random Q5_0 matrix in the file's layout and in tiles, with gguf's fp32 for it."""
+    from nanoserve.quant import QuantTensor
+
+    blocks, want = matrix("q5_0", rows, cols, seed)
+    gguf = QuantTensor(blocks, "q5_0", (rows, cols), "int8")
+    return gguf, gguf.tiles(), want
+
+
+def test_q5_0_tiles_hold_every_byte_and_are_gguf_bit_for_bit():
+    """tile_rows keeps every byte of the file's blocks (untile_rows gives them back; rows padded
+    to 16), and the native dequantization and embedding rows read tiles as gguf's fp32."""
+    from nanoserve.quant import TILES_KINDS, untile_rows
+
+    for rows, cols in ((24, 512), (37, 96), (16, 608)):
+        gguf, tiles, want = q5_0_tiles(rows, cols, seed=rows)
+        assert tiles.layout == "tiles" and tiles.code == TILES_KINDS["q5_0"]
+        assert tiles.blocks.shape[0] == -(-rows // 16) and tiles.nbytes >= gguf.nbytes
+        assert torch.equal(untile_rows(tiles.blocks, "q5_0", rows), gguf.blocks)
+        got = native.dequantize(tiles.blocks, tiles.code, rows, cols).numpy()
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        ids = torch.tensor([rows - 1, 0, rows // 2, 0])
+        assert torch.equal(tiles[ids], torch.from_numpy(want[ids.numpy()]))
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 19])
+def test_q5_0_tiles_int8_product_is_llama_cpps_arithmetic(m):
+    """The tiles kernel's integer dots are the file layout's exactly (sum q x - 16 sum x), so the
+    product is the same reference's as above; fp32 activations (the portable path over tiles)
+    multiply by the dequantized weights."""
+    rows, cols = 37, 608  # a partial last tile; 19 blocks a row
+    gguf, tiles, want = q5_0_tiles(rows, cols, seed=m)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).numpy()
+    got = tiles.linear(torch.from_numpy(x)).double().numpy()
+    scale = (np.abs(x) @ np.abs(want.astype(np.float64)).T).max()
+    assert np.abs(got - int8_reference("q5_0", gguf.blocks.numpy(), want, x)).max() <= 2e-6 * scale
+    fp32 = tiles.with_activations("fp32").linear(torch.from_numpy(x)).double().numpy()
+    assert np.abs(fp32 - x.astype(np.float64) @ want.astype(np.float64).T).max() <= 1e-6 * scale
+
+
+def test_q5_0_tiles_with_the_fifth_bits_left_in_the_files_order_are_caught():
+    """The check above on a wrongly built input: tiles whose words of fifth bits are the file's
+    qh as it lies (not reordered to the kernel's code vectors) give another product."""
+    rows, cols = 32, 512
+    gguf, tiles, want = q5_0_tiles(rows, cols, seed=7)
+    b = tiles.blocks.clone().reshape(2, 16, 352)
+    qh = gguf.blocks.reshape(2, 16, 16, 22)[..., 2:6].transpose(1, 2)  # (tiles, blocks, rows, 4)
+    b[..., 32:96] = qh.reshape(2, 16, 64)
+    wrong = type(tiles)(b.reshape(2, -1), "q5_0", (rows, cols), "int8", "tiles")
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(1)).numpy()
+    ref = int8_reference("q5_0", gguf.blocks.numpy(), want, x)
+    scale = (np.abs(x) @ np.abs(want.astype(np.float64)).T).max()
+    assert np.abs(tiles.linear(torch.from_numpy(x)).double().numpy() - ref).max() <= 2e-6 * scale
+    assert np.abs(wrong.linear(torch.from_numpy(x)).double().numpy() - ref).max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_an_int8_product_of_the_k_quant_kinds_does_not_depend_on_its_neighbours(kind):
+    """Batch invariance (as test_quant.py's for Q4_1/Q8_0): row i of an int8 product over M rows
+    of x is bit for bit row i's product alone, for M up to 15 (below the tile kernels' 16), in
+    the file's layout and the one the loader gives (Q5_0 in tiles where the build has them).
+    Speculative decoding verifies a draft as one more row of the step, so its greedy tokens rest
+    on this. Columns of 19 blocks exercise the Q5_0 rows kernel's blocks past a multiple of 4."""
+    from nanoserve.quant import QuantTensor, kernel_layout
+
+    cols = 512 if kind in SUPER else 608
+    blocks, _ = matrix(kind, 40, cols, seed=11)
+    w = QuantTensor(blocks, kind, (40, cols), "int8")
+    x = torch.randn(15, cols, generator=torch.Generator().manual_seed(3)) * 3
+    for layout in {w, kernel_layout(w)}:
+        alone = torch.cat([layout.linear(x[i : i + 1]) for i in range(15)])
+        for m in range(2, 16):
+            assert torch.equal(layout.linear(x[:m]), alone[:m]), (kind, layout.layout, m)

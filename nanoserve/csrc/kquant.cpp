@@ -30,13 +30,17 @@
 // less dmin * xd * sum_j m_j * (its codes' sum) (Q4_K, Q5_K), or with 32 * sc_j * (codes' sum)
 // taken off inside the integer (Q6_K).
 //
-// Three int8 kernels, chosen by the build: AVX2 (maddubs and madd on 32 codes, as llama.cpp's AVX2
-// dots), AVX512-VNNI on 256 bits (one vpdpbusd instead, the codes kept unsigned and the offsets
-// taken off through the sums of x), and from 8 rows of x the tile kernel (below): 16 output rows
-// unpacked once and multiplied 64 products an instruction. Measured on a 2-core EPYC with
-// AVX512-VNNI, a Q5_0 matrix of 9728 x 896: against 256 rows of x, 40 ms with the 256-bit kernel
-// and 11 ms with the tiles; against 8 rows 1.34 and 1.32 ms, against 12 rows 2.00 and 1.38 ms;
-// against one row both are bound by reading the weights.
+// The int8 kernels, chosen by the build: AVX2 (maddubs and madd on 32 codes, as llama.cpp's AVX2
+// dots); AVX512-VNNI on 256 bits (one vpdpbusd instead, the codes kept unsigned and the offsets
+// taken off through the sums of x; 32-value blocks four at a time, so that one float conversion
+// and FMA serve four blocks); from 16 rows of x the tile kernel (below): 16 output rows unpacked
+// once and multiplied 64 products an instruction; and Q5_0 kept in tiles of its own bytes (kind
+// 13, below), the int8 path's layout for it wherever the tile kernels are built. Measured on a
+// 2-core EPYC with AVX512-VNNI, all of Qwen2.5-Coder-0.5B's layer matrices of each type in turn
+// (min of 5): Q5_0 (173 MB) against 1, 4, 8 and 16 rows of x took 4.9, 10.0, 19.3 and 37.2 ms
+// in the file's layout and 4.6-5.1, 4.9-5.2, 7.6 and 12.2 ms in tiles; Q6_K (43 MB) 1.0, 2.6,
+// 4.8, 9.1 ms with the rows kernel against 7.3 ms at 8 rows and 8.4 at 16 with the unpacking
+// tile kernel, whence its threshold of 16 rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -63,17 +67,23 @@
 namespace {
 
 constexpr int64_t Q4_0 = 7, Q5_0 = 8, Q5_1 = 9, Q4_K = 10, Q5_K = 11, Q6_K = 12;
+constexpr int64_t Q5_0_TILES = 13;  // Q5_0 in tiles of 16 rows (below, and quant.py's tile_rows)
+constexpr int64_t KTILE_ROWS = 16, Q5T_BLOCK = 16 * 22;  // a tile's rows; one block of its 16 rows
 constexpr int64_t GROUP = 32, SUPER = 256;
 
-inline bool is_super(int64_t kind) { return kind >= Q4_K; }
+inline bool is_super(int64_t kind) { return kind >= Q4_K && kind <= Q6_K; }
 // what the fp32 path takes off a code before scaling it
 template <int64_t KIND>
 constexpr int code_offset() {
   return KIND == Q4_0 ? 8 : KIND == Q5_0 ? 16 : KIND == Q6_K ? 32 : 0;
 }
 inline int64_t kind_values(int64_t kind) { return is_super(kind) ? SUPER : GROUP; }
+template <int64_t KIND>
+constexpr int64_t kind_bytes_c() {
+  return KIND == Q4_0 ? 18 : KIND == Q5_0 ? 22 : KIND == Q5_1 ? 24 : KIND == Q4_K ? 144 : KIND == Q5_K ? 176 : 210;
+}
 inline int64_t kind_bytes(int64_t kind) {
-  static const int64_t bytes[] = {18, 22, 24, 144, 176, 210};
+  static const int64_t bytes[] = {18, 22, 24, 144, 176, 210, 22};
   return bytes[kind - Q4_0];
 }
 
@@ -376,7 +386,13 @@ inline __m256i codes_avx2(const uint8_t* b, int j) {
     const int at = KIND == Q4_0 ? 2 : KIND == Q5_0 ? 6 : 8;
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at));
     __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), low4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    // the fifth bits as a byte mask: 16 added where a bit is set (two instructions, not seven)
+    if constexpr (KIND != Q4_0)
+      q = _mm256_mask_add_epi8(q, _cvtu32_mask32(u32_at(b + at - 4)), q, _mm256_set1_epi8(0x10));
+#else
     if constexpr (KIND != Q4_0) q = _mm256_or_si256(q, fifth_bits(u32_at(b + at - 4)));
+#endif
     return q;
   } else if constexpr (KIND == Q4_K || KIND == Q5_K) {
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (KIND == Q5_K ? 48 : 16) + 32 * (j / 2)));
@@ -434,6 +450,92 @@ void rows_f32(const float* x, const uint8_t* w, int64_t cols, int64_t row_bytes,
     }
   }
 }
+
+#ifdef NANOSERVE_KVNNI
+inline uint16_t u16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// The int8 path over 32-value blocks with VNNI, four blocks at a time: each block's dot stays in
+// the eight int32 lanes of one vpdpbusd until the four are folded (two rounds of hadd) into one
+// vector of four exact integer dots, so the conversion to float, the scale d * xd and the FMA are
+// done once for four blocks instead of once a block. A decode step that verifies drafts
+// multiplies 2-8 rows of x, where the per-block float work, not the weights' bytes, set the
+// price (a 4-row product of a 4864 x 896 Q5_0 matrix took 2.3x one row's time). The integer dots
+// are rows_q8_0's exactly; the float sums run four lanes wide, the same order for every row of
+// x, whatever MR (batch invariance). Blocks past a multiple of four take the one-block loop.
+constexpr int64_t PREFETCH = 4096;
+
+template <int64_t KIND, int MR>
+void rows_q8_0_vnni(const XQ& xq, int64_t r0, const uint8_t* w, int64_t cols, int64_t row_bytes, float* y,
+                    int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t KB = kind_bytes_c<KIND>();
+  constexpr int off = KIND == Q4_0 ? 8 : KIND == Q5_0 ? 16 : 0;
+  const int64_t groups = cols / GROUP, whole = groups / 4 * 4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m128 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm_setzero_ps();
+    for (int64_t g0 = 0; g0 < whole; g0 += 4) {
+      const uint8_t* b = row + g0 * KB;
+      // the rows are read in order: ask for the bytes PREFETCH ahead now (one row alone is
+      // bound by reading, and the hardware's prefetcher alone left it at ~35 GB/s here)
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + PREFETCH + 64), _MM_HINT_T0);
+      const __m256i q0 = codes_avx2<KIND>(b, 0), q1 = codes_avx2<KIND>(b + KB, 0);
+      const __m256i q2 = codes_avx2<KIND>(b + 2 * KB, 0), q3 = codes_avx2<KIND>(b + 3 * KB, 0);
+      const __m128 dw = _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(u16_at(b)), static_cast<int16_t>(u16_at(b + KB)),
+                                                    static_cast<int16_t>(u16_at(b + 2 * KB)),
+                                                    static_cast<int16_t>(u16_at(b + 3 * KB)), 0, 0, 0, 0));
+      [[maybe_unused]] __m128 mw;
+      if constexpr (KIND == Q5_1)
+        mw = _mm_cvtph_ps(_mm_setr_epi16(static_cast<int16_t>(u16_at(b + 2)), static_cast<int16_t>(u16_at(b + KB + 2)),
+                                         static_cast<int16_t>(u16_at(b + 2 * KB + 2)),
+                                         static_cast<int16_t>(u16_at(b + 3 * KB + 2)), 0, 0, 0, 0));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (r0 + r) * groups + g0;
+        const int8_t* xb = xq.q.data() + (r0 + r) * cols + g0 * GROUP;
+        const __m256i z = _mm256_setzero_si256();
+        const __m256i s0 = _mm256_dpbusd_epi32(z, q0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+        const __m256i s1 = _mm256_dpbusd_epi32(z, q1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32)));
+        const __m256i s2 = _mm256_dpbusd_epi32(z, q2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64)));
+        const __m256i s3 = _mm256_dpbusd_epi32(z, q3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 96)));
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+        __m128i dots = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        if constexpr (off != 0)  // sum (q - off) x = sum q x - off sum(x), exactly
+          dots = _mm_sub_epi32(dots, _mm_mullo_epi32(_mm_set1_epi32(off),
+                                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq.bs.data() + at))));
+        acc[r] = _mm_fmadd_ps(_mm_mul_ps(dw, _mm_loadu_ps(xq.d.data() + at)), _mm_cvtepi32_ps(dots), acc[r]);
+        if constexpr (KIND == Q5_1) acc[r] = _mm_fmadd_ps(mw, _mm_loadu_ps(xq.s.data() + at), acc[r]);
+      }
+    }
+    float tail[MR] = {};
+    for (int64_t gi = whole; gi < groups; ++gi) {
+      const uint8_t* b = row + gi * KB;
+      const float d = half_at(b);
+      const __m256i uq = codes_avx2<KIND>(b, 0);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (r0 + r) * groups + gi;
+        const __m256i xv =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + (r0 + r) * cols + gi * GROUP));
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), uq, xv);
+        const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        const __m128i u = _mm_hadd_epi32(t, t);
+        const int32_t dot = _mm_cvtsi128_si32(_mm_hadd_epi32(u, u)) - off * xq.bs[at];
+        tail[r] += d * xq.d[at] * static_cast<float>(dot);
+        if constexpr (KIND == Q5_1) tail[r] += half_at(b + 2) * xq.s[at];
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m128 a = acc[r];
+      const __m128 s = _mm_add_ps(a, _mm_movehl_ps(a, a));
+      y[r * ldy + n] = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1))) + tail[r];
+    }
+  }
+}
+#endif
 
 // The int8 path over 32-value blocks (Q8_0 activations): as quant.cpp's Q8_0 and Q4_1 kernels.
 template <int64_t KIND, int MR>
@@ -503,17 +605,12 @@ void rows_q8_k(const XQ& xq, int64_t r0, const uint8_t* w, int64_t cols, int64_t
         const __m256i q = codes_avx2<KIND>(b, j);
 #ifdef NANOSERVE_KVNNI
         // lanes 0-3 are the group's first 16 values, 4-7 its second: each half times its scale
+        // (the offsets, 32 sum(x) or the mins, are taken off once a super-block, below)
         const __m256i sc = _mm256_set_m128i(_mm_set1_epi32(g.isc[1]), _mm_set1_epi32(g.isc[0]));
         for (int r = 0; r < MR; ++r) {
           const int8_t* xb = xq.q.data() + (r0 + r) * cols + sb * SUPER + j * GROUP;
           const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-          const int32_t* bs = xq.bs.data() + (r0 + r) * (cols / 16) + sb * 16 + 2 * j;
-          __m256i start = _mm256_setzero_si256();
-          if constexpr (KIND == Q6_K)  // sum (q - 32) x per half: -32 sum(x) starts lanes 0 and 4
-            start = _mm256_setr_epi32(-32 * bs[0], 0, 0, 0, -32 * bs[1], 0, 0, 0);
-          else
-            off[r] += g.imin * (bs[0] + bs[1]);
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(_mm256_dpbusd_epi32(start, q, xv), sc));
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv), sc));
         }
 #else
         const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(g.isc[1])),
@@ -532,10 +629,46 @@ void rows_q8_k(const XQ& xq, int64_t r0, const uint8_t* w, int64_t cols, int64_t
       }
       const float d = half_at(KIND == Q6_K ? b + 208 : b);
       const float dmin = KIND == Q6_K ? 0.0f : half_at(b + 2);
+#ifdef NANOSERVE_KVNNI
+      {
+        // per 16 values i of the super-block, the integer its code sum bs_i is multiplied by:
+        // Q6_K's 32 * sc_i (taken off sumi), Q4_K/Q5_K's min m_(i/2) (into off)
+        __m256i k0, k1;
+        if constexpr (KIND == Q6_K) {
+          const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+          k0 = _mm256_slli_epi32(_mm256_cvtepi8_epi32(sc8), 5);
+          k1 = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)), 5);
+        } else {
+          alignas(32) int32_t mm[16];
+          for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            scale_min_k4(b + 4, j, sc, m);
+            mm[2 * j] = mm[2 * j + 1] = m;
+          }
+          k0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mm));
+          k1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(mm + 8));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* bs = xq.bs.data() + (r0 + r) * (cols / 16) + sb * 16;
+          const __m256i t = _mm256_add_epi32(
+              _mm256_mullo_epi32(k0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs))),
+              _mm256_mullo_epi32(k1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 8))));
+          if constexpr (KIND == Q6_K) {
+            sumi[r] = _mm256_sub_epi32(sumi[r], t);
+          } else {
+            const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            const __m128i u = _mm_hadd_epi32(h, h);
+            off[r] = _mm_cvtsi128_si32(_mm_hadd_epi32(u, u));
+          }
+        }
+      }
+#endif
       for (int r = 0; r < MR; ++r) {
         const float xd = xq.d[(r0 + r) * supers + sb];
         if constexpr (KIND == Q6_K) {
+#ifndef NANOSERVE_KVNNI
           sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_setr_epi32(off[r], 0, 0, 0, 0, 0, 0, 0));
+#endif
         } else {
           mins[r] -= dmin * xd * static_cast<float>(off[r]);
         }
@@ -554,7 +687,7 @@ void rows_q8_k(const XQ& xq, int64_t r0, const uint8_t* w, int64_t cols, int64_t
 // rows by four activations broadcast to every lane; the unpacking is then shared by every row of
 // x instead of redone per four. The integer sums are rows_q8_0's and rows_q8_k's exactly.
 constexpr int64_t KTILE = 16;
-constexpr int64_t TILE_MIN_ROWS = 8;  // from 8 rows of x the tiles win (the header's measurement)
+constexpr int64_t TILE_MIN_ROWS = 16;  // from 16 rows of x the tiles win (the header's measurement)
 
 struct TileGroup {
   __m512i codes[8];
@@ -671,6 +804,116 @@ void tile_rows(const XQ& xq, int64_t r0, const TileGroup* tg, int64_t cols, floa
 
 #endif
 
+// --- Q5_0 in tiles (kind 13) -------------------------------------------------------------------
+//
+// Most of a Q4_K_M file's bytes are Q5_0 (Qwen2.5-0.5B: 173 of its 400 MB a step; Gemma 3 270M's
+// layers too), and rows_q8_0 pays for every block of every row of x: the codes unpacked (a fifth
+// bit a value), then a float scale and FMA per block and row. Against one row of x that held the
+// product at ~35 GB/s, below this machine's bandwidth, and against four rows (one decoding row
+// and three drafts to verify) it took twice one row's time. So the int8 path keeps Q5_0 in tiles
+// like quant.cpp's Q4_1 and Q8_0 (kinds 5, 6), in the file's own bytes, 22 a block and row: for
+// tile t (rows 16t..16t+15) and block g, the 16 rows' fp16 scales (32 bytes), then their 32 fifth
+// bits (64 bytes: a 32-bit lane a row, bit 8k + c the fifth bit of byte k of code vector c,
+// below), then their 16 bytes of nibbles four at a time (4 x 64 bytes: vector c holds bytes
+// 4c..4c+3 of each row, one 32-bit lane a row, as Q4_1's tiles). Vector c's low nibbles are codes
+// 4c..4c+3 and its high nibbles 16 + 4c..16 + 4c + 3 (code vector c + 4); a fifth bit is one
+// byte-mask test and one masked add of 16. So the block's 16 rows x 32 codes are unpacked once
+// for every row of x, and one vpdpbusd multiplies four codes of 16 rows by four activations.
+// The integer dots are rows_q8_0's exactly (sum q x - 16 sum x); the float sums are one FMA a
+// block and row of x, in the same order whatever the number of rows of x (batch invariance).
+// quant.py's tile_rows / untile_rows convert, and hold every byte of the file's blocks.
+inline int64_t q5t_bit(int c, int k) { return c < 4 ? 4 * c + k : 16 + 4 * (c - 4) + k; }
+
+// Row n of a Q5_0 tiles matrix as the file's bytes (22 a block): the portable paths' view.
+void q5t_row(const uint8_t* w, int64_t cols, int64_t n, uint8_t* out) {
+  const int64_t groups = cols / GROUP, lane = n % KTILE_ROWS;
+  const uint8_t* tile = w + (n / KTILE_ROWS) * groups * Q5T_BLOCK;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* p = tile + g * Q5T_BLOCK;
+    uint8_t* b = out + g * 22;
+    std::memcpy(b, p + 2 * lane, 2);
+    const uint32_t perm = u32_at(p + 32 + 4 * lane);
+    uint32_t qh = 0;
+    for (int c = 0; c < 8; ++c)
+      for (int k = 0; k < 4; ++k) qh |= ((perm >> (8 * k + c)) & 1u) << q5t_bit(c, k);
+    std::memcpy(b + 2, &qh, 4);
+    for (int c = 0; c < 4; ++c) std::memcpy(b + 6 + 4 * c, p + 96 + 64 * c + 4 * lane, 4);
+  }
+}
+
+#ifdef NANOSERVE_KTILES
+template <int MR>
+void tiles_q5_0(const XQ& xq, int64_t r0, const uint8_t* w, int64_t rows, int64_t cols, float* y, int64_t ldy,
+                int64_t t0, int64_t t1) {
+  const int64_t groups = cols / GROUP;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * groups * Q5T_BLOCK;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = tile + g * Q5T_BLOCK;
+      // the weights stream once a token: ask for the lines 4 KB ahead (as quant.cpp's tiles do)
+      for (int64_t o = 0; o < Q5T_BLOCK; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + 4096 + o), _MM_HINT_T0);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512i h = _mm512_loadu_si512(p + 32);
+      __m512i q[8];
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(p + 96 + 64 * c);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        q[c] = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << c))), lo,
+                                    sixteen);
+        q[c + 4] = _mm512_mask_add_epi8(
+            hi, _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << (c + 4)))), hi, sixteen);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xb = xq.q.data() + (r0 + r) * cols + g * GROUP;
+        const int64_t at = (r0 + r) * groups + g;
+        __m512i s0 = _mm512_set1_epi32(-16 * xq.bs[at]), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          s0 = _mm512_dpbusd_epi32(s0, q[c], bcast4(xb + 4 * c));
+          s1 = _mm512_dpbusd_epi32(s1, q[c + 4], bcast4(xb + 16 + 4 * c));
+        }
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xq.d[at])), dots, acc[r]);
+      }
+    }
+    const int64_t n0 = t * KTILE_ROWS, live = std::min<int64_t>(KTILE_ROWS, rows - n0);
+    const __mmask16 keep = static_cast<__mmask16>((1u << live) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, keep, acc[r]);
+  }
+}
+#endif
+
+// y = x W^T over a Q5_0 tiles matrix: the tiles kernel for the int8 path where it is built; the
+// fp32 path, and builds without AVX512-VNNI, read each row back into the file's bytes first (a
+// slow path: quant.py makes tiles only for int8 activations on a build that has the kernel).
+void matmul_q5_0_tiles(const float* x, int64_t m, const uint8_t* w, int64_t rows, int64_t cols, float* y, int64_t ldy,
+                       bool int8) {
+  const int64_t row_bytes = cols / GROUP * 22;
+  const XQ xq = int8 ? quantize_q8_0(x, m, cols) : XQ{};
+#ifdef NANOSERVE_KTILES
+  if (int8) {
+    at::parallel_for(0, (rows + KTILE_ROWS - 1) / KTILE_ROWS, 1, [&](int64_t t0, int64_t t1) {
+      in_row_groups<4>(m, [&](int64_t r0, auto mr) {
+        tiles_q5_0<decltype(mr)::value>(xq, r0, w, rows, cols, y + r0 * ldy, ldy, t0, t1);
+      });
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, rows, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<uint8_t> row(row_bytes);
+    for (int64_t n = n0; n < n1; ++n) {
+      q5t_row(w, cols, n, row.data());
+      if (int8)
+        rows_q8_portable<Q5_0>(xq, m, row.data(), cols, row_bytes, y + n, ldy, 0, 1);
+      else
+        rows_f32_portable<Q5_0>(x, m, row.data(), cols, row_bytes, y + n, ldy, 0, 1);
+    }
+  });
+}
+
 template <int64_t KIND>
 void matmul_kind(const float* x, int64_t m, const uint8_t* w, int64_t rows, int64_t cols, float* y, int64_t ldy,
                  bool int8) {
@@ -700,7 +943,11 @@ void matmul_kind(const float* x, int64_t m, const uint8_t* w, int64_t rows, int6
         if constexpr (KIND >= Q4_K)
           rows_q8_k<KIND, MR>(xq, r0, w, cols, row_bytes, y + r0 * ldy, ldy, n0, n1);
         else
+#ifdef NANOSERVE_KVNNI
+          rows_q8_0_vnni<KIND, MR>(xq, r0, w, cols, row_bytes, y + r0 * ldy, ldy, n0, n1);
+#else
           rows_q8_0<KIND, MR>(xq, r0, w, cols, row_bytes, y + r0 * ldy, ldy, n0, n1);
+#endif
       });
 #else
       rows_q8_portable<KIND>(xq, m, w, cols, row_bytes, y, ldy, n0, n1);
@@ -721,10 +968,14 @@ void matmul_kind(const float* x, int64_t m, const uint8_t* w, int64_t rows, int6
 
 }  // namespace
 
-bool is_kq_kind(int64_t kind) { return kind >= Q4_0 && kind <= Q6_K; }
+bool is_kq_kind(int64_t kind) { return kind >= Q4_0 && kind <= Q5_0_TILES; }
+
+int64_t kq_stored_rows(int64_t kind, int64_t rows) {
+  return kind == Q5_0_TILES ? (rows + KTILE_ROWS - 1) / KTILE_ROWS * KTILE_ROWS : rows;
+}
 
 int64_t kq_row_bytes(int64_t kind, int64_t cols) {
-  TORCH_CHECK(is_kq_kind(kind), "kind ", kind, " is not one of 7-12 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK(is_kq_kind(kind), "kind ", kind, " is not one of 7-13 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q5_0 tiles)");
   TORCH_CHECK(cols > 0 && cols % kind_values(kind) == 0, "a kind ", kind, " weight's columns come in blocks of ",
               kind_values(kind), ", not ", cols);
   return cols / kind_values(kind) * kind_bytes(kind);
@@ -738,11 +989,13 @@ void kq_matmul(const float* x, int64_t m, const uint8_t* w, int64_t kind, int64_
     case Q5_1: return matmul_kind<Q5_1>(x, m, w, rows, cols, y, ldy, int8);
     case Q4_K: return matmul_kind<Q4_K>(x, m, w, rows, cols, y, ldy, int8);
     case Q5_K: return matmul_kind<Q5_K>(x, m, w, rows, cols, y, ldy, int8);
-    default: return matmul_kind<Q6_K>(x, m, w, rows, cols, y, ldy, int8);
+    case Q6_K: return matmul_kind<Q6_K>(x, m, w, rows, cols, y, ldy, int8);
+    default: return matmul_q5_0_tiles(x, m, w, rows, cols, y, ldy, int8);
   }
 }
 
 void kq_row_floats(const uint8_t* row, int64_t kind, int64_t cols, float* out) {
+  TORCH_CHECK(kind != Q5_0_TILES, "a tiles matrix's rows are read with kq_row_floats_at");
   switch (kind) {
     case Q4_0: return row_floats<Q4_0>(row, cols, out);
     case Q5_0: return row_floats<Q5_0>(row, cols, out);
@@ -751,4 +1004,11 @@ void kq_row_floats(const uint8_t* row, int64_t kind, int64_t cols, float* out) {
     case Q5_K: return row_floats<Q5_K>(row, cols, out);
     default: return row_floats<Q6_K>(row, cols, out);
   }
+}
+
+void kq_row_floats_at(const uint8_t* w, int64_t kind, int64_t cols, int64_t n, float* out) {
+  if (kind != Q5_0_TILES) return kq_row_floats(w + n * kq_row_bytes(kind, cols), kind, cols, out);
+  std::vector<uint8_t> row(kq_row_bytes(kind, cols));
+  q5t_row(w, cols, n, row.data());
+  row_floats<Q5_0>(row.data(), cols, out);
 }

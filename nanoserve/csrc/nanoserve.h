@@ -39,12 +39,15 @@ torch::Tensor fused_decode(torch::Tensor ids, torch::Tensor positions, torch::Te
                            bool gelu = false, double embed_scale = 1.0, double attn_scale = 0.0,
                            std::vector<int64_t> sliding = {}, std::vector<torch::Tensor> local = {});
 
-// kquant.cpp: the other block types of K-quant files (kinds 7-12: Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+// kquant.cpp: the other block types of K-quant files (kinds 7-12: Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K;
+// 13: Q5_0 in tiles of 16 rows, the int8 path's layout where AVX512-VNNI is built)
 bool is_kq_kind(int64_t kind);
+int64_t kq_stored_rows(int64_t kind, int64_t rows);  // rows the bytes hold (tiles: padded to 16)
 int64_t kq_row_bytes(int64_t kind, int64_t cols);  // checks cols against the kind's block
 void kq_matmul(const float* x, int64_t m, const uint8_t* w, int64_t kind, int64_t rows, int64_t cols, float* y,
                int64_t ldy, bool int8);
 void kq_row_floats(const uint8_t* row, int64_t kind, int64_t cols, float* out);
+void kq_row_floats_at(const uint8_t* w, int64_t kind, int64_t cols, int64_t n, float* out);  // row n, any kind
 
 // quant.cpp and kquant.cpp: f(r0, MR) for the rows of x in groups of up to MAX, r0 the group's
 // first row, MR its size as a compile-time constant (std::integral_constant), so each kernel is

@@ -103,14 +103,15 @@ struct Weight {
 };
 
 Weight weight_of(const torch::Tensor& w, int64_t kind, int64_t rows, int64_t cols) {
-  TORCH_CHECK(kind >= 0 && kind <= 12,
+  TORCH_CHECK(kind >= 0 && kind <= 13,
               "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), 7-12 (Q4_0, Q5_0, "
-              "Q5_1, Q4_K, Q5_K, Q6_K: kquant.cpp), not ", kind);
+              "Q5_1, Q4_K, Q5_K, Q6_K: kquant.cpp), 13 (Q5_0 tiles), not ", kind);
   TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "weights are contiguous CPU tensors");
   if (is_kq_kind(kind)) {
     const int64_t rb = kq_row_bytes(kind, cols);
-    TORCH_CHECK(w.scalar_type() == torch::kByte && w.numel() == rows * rb,
-                "a quantized weight is ", rows, " rows of ", rb, " bytes (uint8)");
+    const int64_t stored = kq_stored_rows(kind, rows);
+    TORCH_CHECK(w.scalar_type() == torch::kByte && w.numel() == stored * rb,
+                "a quantized weight is ", stored, " rows of ", rb, " bytes (uint8)");
     return {w.data_ptr<uint8_t>(), kind, rows, cols, rb};
   }
   if (kind == 0) {
@@ -774,7 +775,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, in
         continue;
       }
       if (is_kq_kind(kind)) {
-        kq_row_floats(row, kind, in_features, yp + n * in_features);
+        kq_row_floats_at(wt.data, kind, in_features, n, yp + n * in_features);
         continue;
       }
       for (int64_t g = 0; g < in_features / QK; ++g) block_to_floats(wt, n, g, yp + n * in_features + g * QK);
@@ -786,9 +787,9 @@ torch::Tensor dequantize(torch::Tensor w, int64_t kind, int64_t out_features, in
 torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64_t in_features, int64_t rows) {
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.device().is_cpu(),
               "ids are (N,) int64 on the CPU");
-  TORCH_CHECK(kind >= 0 && kind <= 12,
+  TORCH_CHECK(kind >= 0 && kind <= 13,
               "weight kind is 0 (fp32), 1 (Q4_1), 2 (Q8_0), 3 or 4 (split), 5 or 6 (tiles), 7-12 (Q4_0, Q5_0, "
-              "Q5_1, Q4_K, Q5_K, Q6_K), not ", kind);
+              "Q5_1, Q4_K, Q5_K, Q6_K), 13 (Q5_0 tiles), not ", kind);
   TORCH_CHECK(in_features > 0, "an embedding row has at least one column, not ", in_features);
   TORCH_CHECK(kind == 0 || is_kq_kind(kind) || in_features % QK == 0,
               "a quantized weight's columns come in blocks of 32, not ", in_features);
@@ -813,7 +814,7 @@ torch::Tensor embed_rows(torch::Tensor ids, torch::Tensor w, int64_t kind, int64
       continue;
     }
     if (is_kq_kind(kind)) {
-      kq_row_floats(wt.data + ip[i] * wt.row_bytes, kind, in_features, yp + i * in_features);
+      kq_row_floats_at(wt.data, kind, in_features, ip[i], yp + i * in_features);
       continue;
     }
     for (int64_t g = 0; g < in_features / QK; ++g) block_to_floats(wt, ip[i], g, yp + i * in_features + g * QK);
