@@ -39,16 +39,18 @@ accepted tokens' blocks are registered in the prefix cache.
 
 When it turns itself down. Verifying is not free on a CPU. Measured with Qwen2.5-Coder-0.5B's
 Q4_K_M on a 2-core AVX-512 EPYC (`bench speculative --costs`, evals/speculative-costs.csv): a
-one-row decode step 11.7 ms, the same row with 1, 3 and 7 draft tokens 16.2, 24.2 and 55.9 ms; 16
-rows 79.9 ms, with 1 and 3 draft tokens each 106.9 and 189.6 ms. At one row the weights'
-bandwidth sets the step, and each extra query row adds its arithmetic, about 4.2 ms (2.3 ms a row
-at 16 rows); so a draft token pays only if it is kept about half the time or more (a kept token
-saves a whole step's share, a refused one costs its row). Each row therefore keeps the drafts it proposed and
-kept over its last `WINDOW` verifications; once it has `WINDOW` of them and fewer than
-`MIN_RATE` of the proposed tokens were kept, it stops proposing for `pause` steps (8, doubling on
-each further failure up to 256, back to 8 once a window passes). The default K is 3 because four
-query rows cost 2.07 one-row steps there and eight 4.77: at full acceptance 4 tokens for 2.07
-steps (1.93x) against 8 for 4.77 (1.68x).
+one-row decode step 9.09 ms, the same row with 1, 3 and 7 draft tokens 12.21, 15.58 and 38.6 ms;
+16 rows 56.36 ms, with 1 and 3 draft tokens each 100.67 and 178.55 ms. At one row the weights'
+bandwidth sets the step, and each extra query row adds its arithmetic, about 2.2 ms (a quarter
+of a step) at one row and 2.5 ms at 16 rows, where a row's share of the step is 3.5 ms. So a
+draft token pays when it is kept a quarter of the time at one row, and most of the time at 16
+(a kept token saves a whole step's share, a refused one costs its row). Each row therefore
+keeps the drafts it proposed and kept over its last `WINDOW` verifications; once it has
+`WINDOW` of them and fewer than `MIN_RATE` (one half, between those two) of the proposed tokens
+were kept, it stops proposing for `pause` steps (8, doubling on each further failure up to 256,
+back to 8 once a window passes). The default K is 3 because four query rows cost 1.71 one-row
+steps there and eight 4.25: at full acceptance 4 tokens for 1.71 steps (2.33x) against 8 for
+4.25 (1.88x).
 """
 
 from __future__ import annotations
