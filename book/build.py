@@ -10,10 +10,10 @@ Two stages. First this script lays out a docs tree under --out, and nothing of i
   the diagram(s) its Diagram section names shown under that heading, followed by its executed
   notebook (`notebooks/dayNN_*.ipynb`) cell by cell as Markdown: code, then the committed
   outputs (text, and images written next to the page). Notebooks are read, never executed;
-* every other day of `book/daymap.md` (days 1-56 and the planned phase-6 days) gets a short
+* every other day of `book/daymap.md` (the days planned but not written yet) gets a short
   page: title, phase, date, "not written yet", and what the day map says it will cover;
 * one page per phase, the day map, the calendar (`journal/README.md` with each day linked to its
-  page), and the hand-written pages of `book/` (start here, glossary);
+  page), and the hand-written pages of `book/` (start here, glossary, how we time things);
 * `days/`, `diagrams/`, the notebooks and `nanoserve/*.py` are copied beside the pages, so an
   entry's or a notebook's relative links (`../days/day55/warmbench.py`) resolve in the book too.
 
@@ -43,7 +43,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BOOK = REPO / "book"
-HANDWRITTEN = ["index.md", "glossary.md", "extra.css"]  # copied as they are
+HANDWRITTEN = ["index.md", "glossary.md", "timing.md", "extra.css"]  # copied as they are
 
 
 class BookError(Exception):
@@ -430,6 +430,7 @@ def lay_out(out: Path, site: Path) -> Path:
                 "index.md",
                 {"The day map": "daymap.md"},
                 {"Glossary": "glossary.md"},
+                {"How we time things": "timing.md"},
                 {"Calendar": "days/README.md"},
             ]
         }

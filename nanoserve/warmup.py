@@ -211,9 +211,10 @@ def check_warm_graphs_unbound(graphs: dict) -> None:
 
 
 def check_no_cold_captures(cold_captures: int) -> None:
-    """After warming, no step recorded a graph in front of a client."""
+    """No step recorded a graph in front of a client (a warmed boot records them all first; a
+    lazy one records each on the first step of its shape, and fails this)."""
     if cold_captures:
-        raise GateError(f"{cold_captures} graphs were recorded mid-run after warming")
+        raise GateError(f"{cold_captures} graphs were recorded mid-run, in front of a request")
 
 
 def check_table_stable(slot_table, address: int) -> None:

@@ -91,7 +91,7 @@ for key, field in reader.fields.items():
 
 # %% [markdown]
 # `config.json` is this metadata renamed. Two details: llama.cpp stores the RMSNorm epsilon as
-# a float32 (9.999999747e-06), which the converter writes back as the shortest decimal that is
+# a float32 (`9.999999747378752e-06`), which the converter writes back as the shortest decimal that is
 # the same float32 (1e-05), and there is no `output.weight` tensor, so the LM head is tied to the
 # embedding.
 
@@ -163,8 +163,8 @@ for t in reader.tensors[:10]:
     print(f"{t.name:28} {t.tensor_type.name:5} {shape:12} {str(t.data.shape):14} {hf_name(t.name)}")
 
 # %% [markdown]
-# The projections are 210 Q4_1 matrices (7 per block, 30 blocks): 106 M of the 135 M
-# parameters in 66 MB. The embedding is kept at higher precision, Q8_0, and with 49,152 rows
+# The projections are 210 Q4_1 matrices (7 per block, 30 blocks): 106,168,320 of the
+# 134,515,008 parameters in 66,355,200 bytes. The embedding is kept at higher precision, Q8_0, and with 49,152 rows
 # of 576 it is 31% of the file. The 61 norm vectors stay F32; they are 0.1% of the bytes.
 #
 # ## 3. One Q4_1 block by hand
@@ -172,7 +172,7 @@ for t in reader.tensors[:10]:
 # Q4_1 cuts each row into blocks of 32 weights and stores every block in 20 bytes: a float16
 # scale `d`, a float16 minimum `m`, then 16 bytes holding 32 four-bit numbers `q` in 0..15.
 # Weight `j` is `d * q[j] + m`. The low nibbles of the 16 bytes are weights 0..15, the high
-# nibbles weights 16..31. That is 160 bits for 32 weights: 5 bits per weight.
+# nibbles weights 16..31. That is 20 x 8 bits for 32 weights: 5 bits per weight.
 
 # %%
 wq = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")

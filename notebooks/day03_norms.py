@@ -179,12 +179,13 @@ print(
 # %% [markdown]
 # ## 3. What the norm does to the residual stream
 #
-# Day 7 met the residual stream's massive activation: from block 11 on, position 0
-# (`<|im_start|>`) carries one channel near 25,000. Here is the input of block 15's norm, per
-# position. The RMS of position 0 is over a hundred times the others', and after the division
-# (before the weight) every position has RMS 1. The one huge channel holds 98.6% of its
-# position's sum of squares, so it comes out at sqrt(0.986 x 576) = 23.8, and the other 575
-# channels share what is left (the largest of them is 1.8).
+# The residual stream carries a massive activation: by block 15, position 0 (`<|im_start|>`)
+# holds one channel at 24,891 (printed below). Day 7 will follow it through every block. Here
+# is the input of block 15's norm, per position. The RMS of position 0 is over a hundred times
+# the others', and after the division (before the weight) every position has RMS 1. The one
+# huge channel holds 98.6% of its position's sum of squares, so it comes out at
+# sqrt(0.986 x 576) = 23.8, and the other channels share what is left (the largest of them
+# is 1.8).
 
 # %%
 x = inputs["blocks.15.input_norm"]  # (N, H)
@@ -229,10 +230,10 @@ print("eps_shift per site:", {r["site"]: r["eps_shift"] for r in rows[:3]}, "...
 assert float(rows[0]["eps_shift"]) < 1e-3 and all(float(r["eps_shift"]) < 4e-6 for r in rows[1:])
 
 # %% [markdown]
-# Small is not the same as harmless. Day 7's exercise with eps ten times too small moved the
-# logits by about 0.03, thirty times that day's gate. Making the change in block 0's two norms
-# only, and nowhere else, moves them about as much: the 0.07% shift at the embedding-level norm
-# is what thirty blocks then carry to the logits.
+# Small is not the same as harmless. Making eps ten times too small in block 0's two norms
+# only, and nowhere else, still moves the logits by a few hundredths: the 0.07% shift at the
+# embedding-level norm is what thirty blocks then carry to the logits. Day 7 will make the same
+# change in every norm and hold the logits to transformers' with a gate.
 
 
 # %%
@@ -302,9 +303,9 @@ assert 0.3 < min(share_inputs) and max(share_inputs) < 0.75 and worse == 9 and s
 # The package's error is printed to one digit because its second depends on the CPU. torch's
 # CPU kernels run 8 fp32 lanes wide with AVX2 and 16 with AVX-512, so the fp32 mean of squares
 # is summed in another order, and a few normalized values land on the other side of a bf16
-# rounding boundary. At block 25 the table says
-# 7.8e-03 (the AVX2 machine that wrote it); an AVX-512 machine computes 7.7e-03. Rounding the
-# inputs and doing everything in bf16 gave the same digits on both.
+# rounding boundary. At block 25 the table says 7.8e-03 (the AVX2 machine that wrote it), and
+# an AVX-512 machine lands on a neighbouring second digit; the cell above prints 8e-03 on both.
+# Rounding the inputs and doing everything in bf16 gave the same digits on both.
 #
 # Rounding the two inputs accounts for a third to nearly three quarters of the error, depending
 # on the site. The rest is the rounding of the normalized value and of the product. Doing all
@@ -461,15 +462,19 @@ display(Image(filename=png))
 #
 # 1. **Break epsilon on purpose.** In section 2's loop, give the hand version a wrong epsilon,
 #    `hand_rms_norm(x, w, 1e-6)`, and keep `rms_norm(x, w, EPS)` as the reference. The gate
-#    raises at block 0 (relative difference about 6e-4) and passes at block 15 (about 3e-7):
-#    only the embedding-level norm sits near enough to the knee of section 4 for eps to show.
+#    raises at block 0, by a little less than the 6.9e-04 that the table's `eps_shift` gives
+#    that site, and passes at block 15, whose `eps_shift` is 1.7e-07: only the embedding-level
+#    norm sits near enough to the knee of section 4 for eps to show.
 #    With `1e-3` both fail, block 0 by about 6%.
 # 2. **The whole table.** `python days/day03/norms.py --layers all --out /tmp/norms.csv` writes
-#    31 rows; the 10 sites of the committed CSV must appear in it unchanged
-#    (`grep -F -f days/day03/day-03-norms.csv /tmp/norms.csv | wc -l` prints 11, header
-#    included). Which block has the largest `bf16_rel_err`?
+#    31 rows; the 10 sites of the committed CSV must appear in it unchanged, but for
+#    `bf16_rel_err` (column 11), whose second digit depends on the CPU (section 6). Cut that
+#    column from both files and count the matching lines:
+#    `cut -d, -f1-10,12 days/day03/day-03-norms.csv > /tmp/committed.csv`, then
+#    `cut -d, -f1-10,12 /tmp/norms.csv | grep -c -x -F -f /tmp/committed.csv` prints 11, header
+#    included, whatever the CPU's vector width. Which block has the largest `bf16_rel_err`?
 # 3. **Fold every norm weight.** For each block, multiply `qkv` by `input_norm` and `gate_up` by
-#    `post_norm` (in place under `torch.no_grad()`), then fill both norms with ones. Day 7's
-#    `parity.check_logits_close` must still pass against the unfolded model's logits on this
-#    prompt (we saw a largest difference of about 7e-5). Then ask why the final `norm` cannot be
-#    folded the same way here: `ours.head is ours.embed`.
+#    `post_norm` (in place under `torch.no_grad()`), then fill both norms with ones. The logits
+#    on this prompt must still match the unfolded model's under `check_logits_close` in
+#    `days/day07/parity.py`, the logit gate Day 7 will build (bound 1e-3). Then ask why the final
+#    `norm` cannot be folded the same way here: `ours.head is ours.embed`.

@@ -277,8 +277,8 @@ print(
 # context the model was first trained at), `factor = 8`, `low = 1`, `high = 4`, a pair of
 # wavelength `lambda`:
 #
-# * `lambda < L / high` (2,048): kept as it is,
-# * `lambda > L / low` (8,192): frequency divided by `factor`,
+# * `lambda < L / high`, a quarter of the context: kept as it is,
+# * `lambda > L / low`, the whole context (8,192): frequency divided by `factor`,
 # * in between: `s = (L / lambda - low) / (high - low)`, frequency `(1 - s) f / factor + s f`.
 #
 # The short wavelengths that resolve neighbouring tokens stay, and the ones that only ever saw

@@ -293,7 +293,7 @@ assert (
 # %% [markdown]
 # With its 3 K/V heads, a full 8,192-token sequence of SmolLM2 costs 377.5 MB of fp32 cache, 70%
 # of the 538 MB of fp32 weights; with 9 it would cost 1,132.5 MB, twice the weights, reached
-# at about 3,900 tokens. A GiB of cache holds 23,301 fp32 tokens instead of 7,767. The KV pool
+# at 3,892 tokens. A GiB of cache holds 23,301 fp32 tokens instead of 7,767. The KV pool
 # of Day 16 (`nanoserve.pool.plan_pool`) divides its memory budget by exactly this number
 # times the block size.
 #
@@ -402,12 +402,12 @@ display(Image(filename=png))
 #
 # 1. **Break the scale on purpose.** Delete the division by `math.sqrt(q.shape[-1])` in
 #    `attention_by_hand` and rerun section 3: every `check_attention_close` raises. Print
-#    `weights.amax(-1).mean()` before and after (about 0.32 and 0.83 in our run): without the
-#    scale the softmax is sharper, each query putting most of its weight on its single best key.
+#    `weights.amax(-1).mean()` before and after: it grows without the scale, because the
+#    softmax is sharper, each query putting more of its weight on its single best key.
 # 2. **Price another shape.** After `import dataclasses`,
 #    `kvbytes.kv_rows(dataclasses.replace(cfg, num_layers=32, num_heads=32, num_kv_heads=8,
 #    head_dim=128), dtypes=(torch.bfloat16,), context=8192)` prices a Llama-3-8B-sized model:
-#    assert that its GQA row has `bytes_per_token == 131_072` (128 KiB a token, 1,073.7 MB for
+#    assert that its GQA row has `bytes_per_token == 131_072` (128 KiB a token, so 1 GiB for
 #    one 8,192-token sequence) and that its MHA row is 4 times that.
 # 3. **Decode needs no mask.** `causal_attention(q[-1:], k.transpose(0, 1), v.transpose(0, 1),
 #    positions[-1:])` runs without a mask (one query); check it equals `out[-1:]` within the gate.

@@ -385,12 +385,13 @@ display(Image(filename=png))
 #    token changes.
 # 2. **Reproduce the tables.** `python days/day08/nocache.py --out-dir /tmp/d8`, then compare
 #    `/tmp/d8/day-08-greedy.csv` with the committed one: every column but `nocache_s` and
-#    `cached_s` must be equal (all five `identical`, 4,941 token-forwards without a cache
-#    against 292 with one). In `/tmp/d8/day-08-steps.csv` the GFLOP columns must equal the
+#    `cached_s` must be equal (all five `identical`, and 16.9 times as many token-forwards
+#    without a cache as with one). In `/tmp/d8/day-08-steps.csv` the GFLOP columns must equal the
 #    committed ones; the times are your machine's.
 # 3. **Where attention takes over.** From the two fits of section 5, compute the length at which
-#    the attention-alone quadratic term equals the whole step's linear term, `b / ca` (about
-#    3,200 tokens in the committed run). Then, with `nocache.step_flop_parts`, find the length at
-#    which a no-cache step's attention FLOPs equal its matmul FLOPs (`assert` it is 6,143: causal
-#    attention's queries see L/2 keys on average, so this is twice Day 6's 3,072). The ratio of
+#    the attention-alone quadratic term equals the whole step's linear term, `b / ca` (1835.3 us
+#    over 566.9 ns in the committed run). Then, with `nocache.step_flop_parts`, find the length at
+#    which a no-cache step's attention FLOPs equal its matmul FLOPs (`assert` it is 2 x 3,072 - 1:
+#    causal attention's queries see (L + 1)/2 keys on average, so this is one less than twice
+#    Day 6's 3,072). The ratio of
 #    the two lengths is how much slower per FLOP attention ran than the matmuls on your machine.

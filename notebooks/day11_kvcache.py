@@ -165,6 +165,12 @@ print("tokens:", mine.argmax(-1).tolist())
 assert torch.equal(mine, theirs) and mine.argmax(-1).tolist() == greedy_tokens(model, prompt, 9)
 
 # %% [markdown]
+# The first seven tokens are `The capital of France is Paris.`; the eighth, 2, is `<|im_end|>`,
+# the end-of-turn id Day 1 found. The ninth, 198, comes after EOS: `cached_run` feeds back
+# whatever it picked and never checks for EOS, so the model goes on writing after its answer has
+# ended (Day 10 showed what it writes there). For comparing two caches that is just one more
+# step.
+#
 # `torch.cat` copies the whole layer's keys every step, so each append costs as much as the cache
 # is long (transformers' `DynamicCache` grows the same way). The package reserves every position
 # once and fills it in place.
@@ -244,8 +250,11 @@ assert tokens == greedy_tokens(model, prompt, 4)
 # `cachebench.equal_row` runs a prompt both ways for 16 greedy tokens: `greedy_tokens` on the
 # contiguous cache, and a loop that runs a `NoCache` forward over the whole sequence every step.
 # It compares the tokens, bounds the logit difference at every step, and counts the token
-# positions each loop pushed through the model. The script does three prompts; the notebook
-# reruns the first and reads the other two back from the committed CSV.
+# positions each loop pushed through the model. Neither loop is given EOS ids, so both run all 16
+# steps even where the answer ends sooner: the first prompt's answer closes with `<|im_end|>` at
+# its eighth token (section 2's tokens), and the eight tokens after it are generated past EOS.
+# The script does three prompts; the notebook reruns the first and reads the other two back from
+# the committed CSV.
 
 # %%
 t0 = time.perf_counter()

@@ -239,8 +239,8 @@ for r in committed:
 #   core streaming the weights"; the docstring quotes 14 -> 23 GB/s at one row and 66 -> 46 ms
 #   a step at eight rows, on 2 cores;
 # * in bf16 on a CPU without bf16 matrix instructions it widens the weights to fp32 from
-#   `BF16_UPCAST_ROWS` rows on, because such a CPU "emulates a bf16 GEMM at ~20 GFLOP/s against
-#   ~140 for fp32", while at one row bf16's halved bytes win.
+#   `BF16_UPCAST_ROWS` rows on, because such a CPU "emulates a bf16 GEMM at ~20 GFLOP/s", far
+#   below what it reaches in fp32, while at one row bf16's halved bytes win.
 #
 # `roofline.linear_rows` times both on the model's own weights, every set of them far larger
 # than the CPU's cache, so each pass streams from memory as a decode step does: all 121 matrices
@@ -285,10 +285,10 @@ with open(roofline.CSV_LINEAR) as f:
 #
 # * **Slabs at one row**: 10.3 GB/s through `F.linear`, 14.0 through the slabs. Faster, as
 #   claimed, but by 36%, where the docstring says 14 -> 23 GB/s (64%).
-# * **Slabs at eight rows**: 102.2 -> 72.0 ms for the matmuls of a step, a ratio of 1.42
-#   against the docstring's 66 -> 46 ms (1.43). The ratio holds; our times are for the matmuls
-#   alone and still higher than the docstring's whole step, so only the ratio carries over from
-#   wherever its numbers were measured.
+# * **Slabs at eight rows**: 102.2 -> 72.0 ms for the matmuls of a step, against the
+#   docstring's 66 -> 46 ms. The ratio holds to within a few hundredths; our times are for the
+#   matmuls alone and still higher than the docstring's whole step, so only the ratio carries
+#   over from wherever its numbers were measured.
 # * **The bf16 GEMM rate**: bf16 `F.linear` stays at 16 to 19 GFLOP/s from 4 rows to 256,
 #   while fp32 climbs to 144 GFLOP/s at 256 rows. The claim holds as written.
 # * **Widening from `BF16_UPCAST_ROWS` = 4 rows on**: it depends on the run. In the script's,
@@ -443,12 +443,15 @@ display(Image(filename=png))
 #    `check_weight_bytes(roofline.weight_bytes(model), model)`: it raises, `counted 651,306,240
 #    bytes; the model's storages hold 538,060,032`. Rerun section 3 and every `roofline_tok_s`
 #    drops by the same 17%.
-# 2. **Price another precision before measuring it.** Int8 weights would be one byte a weight
-#    plus a scale per row. Compute the roofline for 134,515,008 one-byte weights at your measured
-#    2-thread bandwidth and assert that it is four times the fp32 one: `assert
-#    abs(bandwidth[2] * 1e9 / 134_515_008 - 4 * bandwidth[2] * 1e9 / weights) < 1e-6`. Then
-#    compare the fp32 and bf16 rows of section 3: how much of the doubling from fp32 to bf16
-#    did the measured rate keep?
+# 2. **Price another precision before measuring it.** Write `int8_bytes(model)`, the bytes a
+#    token would read with int8 matrices: one byte for each element of a 2-D weight plus a 4-byte
+#    fp32 scale for each of its rows, the norm vectors left in fp32, and every distinct tensor
+#    once. `assert int8_bytes(model) == 135_439_104`: section 1's printed sizes give the shapes
+#    behind that number, and counting the tied head twice, leaving out the scales or rounding
+#    the norms to one byte each makes the assert fail. The int8 roofline is then
+#    `weights / int8_bytes(model)` times the fp32 one at the same bandwidth, a little under
+#    four because of the scales and the norms. Then compare the fp32 and bf16 rows of
+#    section 3: how much of the doubling from fp32 to bf16 did the measured rate keep?
 # 3. **Your machine.** `python days/day12/roofline.py --threads 1 2 4 --out-roofline /tmp/r.csv
 #    --out-linear /tmp/l.csv` on a machine with more cores, and compare its first line (the CPU)
 #    and its `fraction` column with `day-12-roofline.csv`. Every `weight_mb` must still read

@@ -128,7 +128,8 @@ del smol
 # times longer. A lognormal is the usual first model for that shape, and it is easy to state:
 # the log of the length is normal. The parameters are assumptions, since no trace is used
 # here. Prompts have a median of 256 tokens, outputs 128, and both have sigma 1.0 in log space,
-# so the middle half of the draws spans about a factor of four (e^(2 x 0.674) = 3.9). Prompts
+# so the middle half of the draws spans about a factor of four (in the table below, prompts
+# run from 132 to 504 tokens between the quartiles and outputs from 66 to 250). Prompts
 # are cut at 1,536 tokens and outputs at the request's `max_tokens` of 512, so every request
 # fits the 2,048-token context. Arrivals are a Poisson stream (exponential gaps, 0.25 requests
 # a step) for section 4. Everything comes from one `random.Random(13)`.
@@ -242,7 +243,7 @@ assert arena.holes == [(0, 5), (8, 4), (14, 2)] and arena.free_slots == 11
 # That is external fragmentation.
 #
 # `waste.simulate` runs a stream of requests through one memory of 32,768 slots (16 whole-
-# context reservations; 1,509.9 MB of SmolLM2 fp32). At each step, new arrivals join a queue.
+# context reservations of 94.4 MB each in SmolLM2 fp32). At each step, new arrivals join a queue.
 # Requests are admitted first come, first served while the next one's reservation fits
 # somewhere; the first that does not fit waits, and so does everyone behind it. Every running
 # request then computes one token, its whole prompt on its first step. A request that has
@@ -441,8 +442,8 @@ display(Image(filename=png))
 #   describes systems that reserve a contiguous chunk per request for its largest possible
 #   length and splits their loss three ways: slots reserved for tokens not produced yet,
 #   internal fragmentation in the slots never used, and external fragmentation left by the
-#   memory allocator between chunks. In the systems it profiled, only 20.4% to 38.2% of the
-#   K/V memory held token states. vLLM itself never reserves per request.
+#   memory allocator between chunks. In the systems the paper profiled, only 20.4% to 38.2% of
+#   the K/V memory held token states (quoted). vLLM itself never reserves per request.
 #   `gpu_worker.determine_available_memory` measures what is left after a profiling run and
 #   `--gpu-memory-utilization` caps it. The rest becomes one pool of blocks (`block_size`, 16
 #   by default on CUDA), handed out by `BlockPool` as sequences grow. `--max-model-len` only

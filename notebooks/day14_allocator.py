@@ -558,9 +558,12 @@ display(Image(filename=png))
 # 2. **Plant a leak.** Write `class Leaky(BlockAllocator)` whose `free` releases all but the
 #    table's last block, and run `property_test(Leaky)`. The test must fail, and the smallest
 #    failing list it prints should be two operations long (an arrival and its free).
-# 3. **A list as the free list.** Rerun `python days/day14/allocator.py --sizes 1000 100000
-#    1000000 --out-freelist /tmp/f.csv` and check that the list's `take_middle_us` grows
-#    about a hundredfold from 10,000 to 1,000,000 blocks, while the ordered dict's does not.
+# 3. **A list as the free list.** Run `python days/day14/allocator.py --sizes 10000 100000
+#    1000000 --out-ops /tmp/ops.csv --out-freelist /tmp/f.csv` (both paths given, so the
+#    committed CSVs stay as they are). In `/tmp/f.csv` the list's `take_middle_us` must grow
+#    with the blocks, by tens of times from 10,000 to 1,000,000, since each removal searches
+#    the list; the ordered dict's must stay flat, under a microsecond at every size, as it does
+#    in the committed CSV (0.256 to 0.312 µs).
 # 4. **Find the bug without derandomize.** Set `derandomize=False` in `property_test` and run
 #    `property_test(DoubleFree)` a few times. The smallest failing list must come out the same
 #    each time, even though the examples that find it differ.

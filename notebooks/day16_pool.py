@@ -284,7 +284,7 @@ else:
 # %% [markdown]
 # Either fix works. Lower `max_model_len` to what the pool holds, or raise the budget to one
 # full request: 512 blocks of 16 tokens and the sink, 512 x 737,280 + 46,080 bytes. One byte
-# less, and the plan has 511 blocks and the engine refuses again.
+# less, and the pool holds 8,176 tokens and the engine refuses again.
 
 # %%
 eng = Engine(model, None, EngineConfig(kv_budget="64MiB", max_model_len=1024, linear="plain"))
@@ -479,14 +479,15 @@ display(Image(filename=str(png)))
 # 1. **Another model's price.** Build a `LlamaConfig` for a Llama-3-8B shape (32 layers, 8 K/V
 #    heads, head_dim 128) and derive a bf16 block of 16 by hand before calling `plan_pool`.
 #    `poolplan.bytes_per_block(cfg8b, torch.bfloat16)` must equal the plan's `bytes_per_block`
-#    (2,097,152), and a 16 GiB budget must give 8,191 blocks.
+#    (2 x 32 x 8 x 128 x 2 bytes x 16 tokens, 2 MiB), and a 16 GiB budget must give one block
+#    fewer than 16 GiB / 2 MiB, because the sink slot is paid for first.
 # 2. **Break the plan on purpose.** In a copy of `plan_pool`, drop the sink: divide the whole
 #    budget by the block. `test_the_sink_slot_is_paid_for` in `tests/test_pool.py` must fail
 #    (a budget of exactly 10 blocks and a sink gives 10 blocks, one byte less must give 9).
 #    Run it with `monkeypatch` or a `pytest_configure` plugin, as in Day 11's Try it.
 # 3. **Reproduce the table at other sizes.** `python days/day16/poolplan.py --budgets 1GiB 40GiB
-#    --contexts 4096 --out-budgets /tmp/b.csv`: 40 GiB in bf16 must hold 116,508 blocks, and
-#    `fits_full_context` must say `yes` in all four rows.
+#    --contexts 4096 --out-budgets /tmp/b.csv`: 40 GiB in bf16 must hold
+#    (40 GiB - 23,040) // 368,640 blocks, and `fits_full_context` must say `yes` in all four rows.
 # 4. **Find the threshold.** With `max_model_len=2048`, find the smallest `kv_budget` at which
 #    `Engine(model, None, EngineConfig(kv_budget=..., max_model_len=2048, linear="plain"))`
 #    starts: predict it from section 5's formula (128 blocks and the sink) and check that one

@@ -469,11 +469,14 @@ display(Image(filename=str(png)))
 # %% [markdown]
 # ## In the real systems
 #
-# * **vLLM** computes the slot mapping on the host for every step, in `BlockTable.compute_slot_mapping`
-#   (`vllm/v1/worker/block_table.py`): for each token, the index into its request's row of the
-#   block table is `position // block_size`, the block number comes from that row, and the slot
-#   is `block_number * block_size + position % block_size`, the same formula as section 1, done
-#   with NumPy over the whole batch. The write is a CUDA kernel, `reshape_and_cache` (and
+# * **vLLM** computes the slot mapping on the GPU for every step, as Day 15 described:
+#   `BlockTable.compute_slot_mapping` (`vllm/v1/worker/block_table.py`) launches a Triton
+#   kernel, `_compute_slot_mapping_kernel`, with one program per request. For each of the
+#   request's tokens it takes `position // block_size` as the index into the request's row of
+#   the block table, reads the block number there, and stores
+#   `block_number * block_size + position % block_size`, the same formula as section 1; one more
+#   program fills the unused tail of `slot_mapping` with the padding slot, -1, so a captured
+#   graph always sees a buffer of the same length. The write is a CUDA kernel, `reshape_and_cache` (and
 #   `reshape_and_cache_flash` for the FlashAttention layout, `csrc/cache_kernels.cu`): one
 #   thread block per token reads `slot_mapping[token]`, skips the token when the slot is
 #   negative (padding), and stores its key and value at that block and offset. Like ours, one

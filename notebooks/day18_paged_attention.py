@@ -431,4 +431,5 @@ display(Image(filename=str(png)))
 #    gather path must fail too.
 # 4. **Reproduce the bytes.** `python days/day18/pagedread.py --contexts 128 8192 --reps 5
 #    --out-bytes /tmp/b.csv --out-time /tmp/t.csv`: at C = 8,192 the "one long" mix must give
-#    `gather_over_native` 11.93.
+#    a `gather_over_native` of 3 x 4 x 8,192 / (3 x 16 + 8,192), rounded to two places (three
+#    passes over four rows of the long row's width, against the tokens the rows hold).

@@ -514,17 +514,16 @@ display(Image(filename=png))
 #
 # 1. **Free head first, in the package.** Change `BlockAllocator.free` in `nanoserve/blocks.py` to
 #    release `table.blocks` in order instead of `reversed(...)`, then run `pytest
-#    tests/test_blocks.py -k least_recently_freed`: the test must fail. Rerun the script with
-#    `--pools 20 96 --out /tmp/p.csv` and compare `lrf`'s hit rate at 20 blocks with the
-#    committed 0.511. Undo the change.
+#    tests/test_blocks.py -k least_recently_freed`: the test must fail on its `filler.blocks`
+#    assert, because the filler now takes a's head instead of a's tail, and rerunning section 1
+#    must stop at its first assert, on the free list's order. Undo the change: the test must
+#    pass again.
 # 2. **A harmless-looking planted share.** Make both samples greedy (`temperature=0.0` in
-#    `params`) and rerun section 4: the two samples now write the same tokens at the same
-#    positions, so `check_kv_is_own` passes on the planted engine, yet the write gate still
-#    fails. Which of the two checks would you rather run in CI, and why?
-# 3. **A smarter eviction.** Write an allocator that evicts, among free named blocks, the one
-#    whose prefix was used least often (count hits in `allocate_prompt`). On the script's
-#    workload at 20 blocks it must beat `lrf`'s `recomputed_blocks` of 69, or explain why not.
-# 4. **Copy-on-write, for real.** Make `SharesPartial` copy the shared block's K/V into a fresh
+#    `params`) and rerun section 4. The two samples now write the same tokens at the same
+#    positions, so the check: the cell must still print "write gate caught" for block 3, and
+#    then stop at its own `RuntimeError`, because `check_kv_is_own` no longer finds anything
+#    wrong with a's keys. Which of the two checks would you rather run in CI?
+# 3. **Copy-on-write, for real.** Make `SharesPartial` copy the shared block's K/V into a fresh
 #    block before the second sample's first write (`cache.k[layer][dst] = cache.k[layer][src]`
 #    for every layer and slot) and repoint that table: the write gate and `check_kv_is_own`
 #    must then both pass. Count what the copy costs in bytes for SmolLM2 (Day 16's bytes per

@@ -352,8 +352,8 @@ assert got == [(c["padded"], c["wasted"], c["useful"]) for c in static_counts(fu
 # holds one close to 256, and the average row is half as long. The outputs go the same way:
 # every batch's longest is 117 to 128 tokens, so 3,851 row-steps were generated past their
 # request's end against 4,133 that were asked for. Of the 22,912 token positions the four
-# rectangles computed, the engine's static batches needed 11,455, exactly half (`useful_share`
-# 0.5).
+# rectangles computed, the engine's static batches needed 11,455, one position short of half
+# (`useful_share` prints it rounded, 0.5).
 #
 # A position is not a unit of time, though. A padded prompt position costs what a real one
 # does, since prefill's matrix products grow with every row of the rectangle. A wasted decode

@@ -352,8 +352,8 @@ for name in raggedbench.WORKLOADS:  # the counts are arithmetic: they must repro
 # packed one. With lengths spread from 16 to 128, 32.2% of the padded tokens are pads and it
 # took 1.78 times as long; with one prompt of 128 and seven of 16 to 32, 70.4% are pads, and
 # it took 5.32 times as long. Attention grows faster than the tokens: that padded batch computes
-# 3.4 times packed's tokens (1,024 against 303) and 6.3 times its scores (131,072 against
-# 20,853 per head and layer).
+# 1,024 tokens against packed's 303, and 131,072 scores against its 20,853 per head and
+# layer.
 #
 # One at a time computes exactly packed's tokens and scores, and still took 1.06 times as long
 # on the similar prompts and 1.85 and 1.89 times on the two workloads with short prompts: every
@@ -464,8 +464,8 @@ display(Image(filename=png))
 #    the mask's hidden set and make it pass (the positions must start at 0 at the first real
 #    token).
 # 3. **Count before you time.** For four prompts of 10, 20, 30 and 200 tokens, work out
-#    `raggedbench.counts("padded", ...)`'s `padding_pct` and `scores` by hand (67.5% and 160,000),
-#    then check them with the function.
+#    `raggedbench.counts("padded", ...)`'s `padding_pct` and `scores` by hand
+#    (`100 * (800 - 260) / 800` and `4 * 200 * 200`), then check them with the function.
 # 4. **Where one at a time stops losing.** Run `python days/day23/raggedbench.py --prompts 2
 #    --out /tmp/r.csv` and then `--prompts 16`: the `x_packed` of one at a time should grow
 #    with the number of prompts on the "one long" workload, since each extra forward reads the

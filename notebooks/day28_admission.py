@@ -361,9 +361,9 @@ print(f"all {len(base)} requests' tokens equal under the three reserves; counts 
 # preemptions from 10 to 5 and the immediate ones from 2 to 0, and the shortcut lets 1 of its 5
 # be immediate again. The tokens are the same whatever happened to the requests on the way.
 #
-# The script ran the same workload through the engine on SmolLM2-135M-Instruct (fp32, two
-# threads), checking every reserve's tokens against the default's with the tests' near-tie rule
-# and its counts against `drive`'s; `day-28-admission.csv`:
+# The script ran the same workload through the engine on SmolLM2-135M-Instruct (fp32, one
+# thread, its `--threads` default), checking every reserve's tokens against the default's with
+# the tests' near-tie rule and its counts against `drive`'s; `day-28-admission.csv`:
 
 # %%
 smol = read_csv("day-28-admission.csv")

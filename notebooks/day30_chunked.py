@@ -240,8 +240,8 @@ assert max(diffs.values()) < 1e-5
 
 # %% [markdown]
 # On the AVX2 machine these outputs come from, the chunked prefills on the contiguous cache give
-# the unchunked logits bit for bit. An AVX-512 machine gives up to 3.7e-09 at chunks of 8 and
-# 13: torch's kernels there add some of the same products in another order when a call has
+# the unchunked logits bit for bit. An AVX-512 machine differs in the last bits at chunks of 8
+# and 13: torch's kernels there add some of the same products in another order when a call has
 # fewer rows. Either way it is rounding, far inside the assert's 1e-5.
 #
 # The same on SmolLM2-135M-Instruct, where a wrong boundary would show in real text: a chat

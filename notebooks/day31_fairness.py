@@ -105,9 +105,11 @@ for long_first in (True, False):
 # admitted at step 0, and its four chunks of 16 take all of steps 0 to 3: the short prompts
 # behind it are not admitted until step 4, although three rows stood free the whole time. The
 # prompt pass serves prompts already running before it admits new ones, and the long prompt's
-# remaining chunks are always there first. The fourth short request then waits for a row until
-# a short one finishes. With the long prompt last, the short ones go at once and the long one
-# waits 8 steps for a row, the time a short request needs to generate its 8 tokens.
+# remaining chunks are always there first. The fourth short request, `s3`, then waits for a
+# row, and the first to come free is the long prompt's: it decodes in steps 4 to 6 and is done,
+# and `s3` takes its row at step 7, while `s0` to `s2` are still decoding. With the long prompt
+# last, the short ones go at once and the long one waits 8 steps for a row, the time a short
+# request needs to generate its 8 tokens.
 #
 # ## 2. The waits, per request and policy
 #
@@ -399,8 +401,10 @@ display(Image(str(out)))
 #    running, the step in which `s0` is admitted; then write the cap vLLM calls
 #    `long_prefill_token_threshold` (no running prompt takes more than 8 tokens of a step) as a
 #    `Scheduler` subclass and check that `s0` is admitted at step 0 with the budget back at 16.
-# 3. Make `check_bounded_bypass` too lax: have it compare admission steps with `<=` instead of
-#    `<`. Which of the six runs of section 2 does it now wrongly flag, and why does a request
-#    admitted in the same step as an earlier one not overtake it?
-# 4. Run `python days/day31/fairbench.py --repeats 3` and compare `first_token_ms` of `s3`
-#    (long first) under the three policies with the two-repeat run in `day-31-ms.csv`.
+# 3. Make the gate too strict: in `fairbench.overtaken`, compare admission steps with `<=`
+#    instead of `<`, so that a later arrival admitted in the same step as a request counts as
+#    overtaking it. Check: rerunning section 2 must now stop in `order_table` at the first run
+#    with "s0 arrived before step 0 and waited 4 steps while 2 later arrivals were admitted ahead
+#    of it" (`s1` and `s2` went in with it at step 4, as the waits table shows), and with the
+#    change undone all six runs must pass again. Why does a request admitted in the same step
+#    as an earlier one not overtake it?

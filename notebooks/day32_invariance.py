@@ -172,8 +172,8 @@ assert all(r["tokens_equal"] == r["requests"] for r in tiny_rows)
 # 1,152 runs of a request, every one with the eager loop's tokens, so the tests' rule never had
 # to excuse anything: 0 near-ties. The largest logit difference anywhere was 4.47e-08, and the
 # closest call among all 1,024 reference positions had a gap of 4.78e-06, 107 times larger. For
-# a batch to change a token on this model it would need a position with a gap below about
-# 5e-08, and the reference has none.
+# a batch to change a token on this model it would need a position with a gap of the order of
+# that largest difference, 4.47e-08, and the reference has none.
 #
 # ## 4. A near-tie, made on purpose
 #

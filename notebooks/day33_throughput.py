@@ -212,9 +212,11 @@ print(f"budget / static {rate['nanoserve budget'] / rate['nanoserve static']:.2f
 # ## 4. What `bench throughput` measured
 #
 # The benchmark's full-size figure is not rerun here: it takes about four minutes of a machine
-# other jobs share. It is quoted as measured with `python -m nanoserve.bench throughput` on
-# 2026-12-01, on this machine (AMD EPYC, 2 cores, AVX2 only, no avx512_bf16, 2 threads), as
-# recorded in the serving-speed issue's note:
+# other jobs share. Its times are typed into the cell below from one run of
+# `python -m nanoserve.bench throughput` (fp32, 2 threads), and no CSV of the day records that
+# run, so they are the one input of this section the notebook cannot reproduce. What it can do
+# is check them: each rate must be the workload's generated tokens over its time, and the two
+# rates must give the ratio.
 
 # %%
 QUOTED = {  # python -m nanoserve.bench throughput, 2026-12-01, fp32, 2 threads; not rerun

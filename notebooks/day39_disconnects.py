@@ -371,13 +371,9 @@ display(Image(filename=str(path)))
 #    `blocks_when_left` from C's prompt length and 40 tokens (blocks of 16), and check that
 #    `steps_after_leaving` is still 1 and A and B still equal `reference`.
 # 2. **Break the abort another way.** In `my_abort`, pop the request but skip
-#    `scheduler.finish`. The check: `e.allocator.num_used` does not drop, and running the engine
-#    on makes C's tokens anyway (its sequence is still in `scheduler.running`); the
-#    `outs[e1] == outs[e2]` assert fails.
+#    `scheduler.finish`. The check: section 1 prints `in use 3 before, 3 after` for ours, with
+#    `req-2` still in the running list (its sequence is still in `scheduler.running`), and the
+#    assert under the print, that both engines hold the same blocks, fails.
 # 3. **Two leavers at once.** Add a second leaver to `run_server` (a copy of C with another
 #    prompt) and leave both after 8 tokens. The check: `check_freed` passes for both names and
 #    `/health` one step later shows 2 running.
-# 4. **Without the listener.** Monkeypatch `nanoserve.responses.EventStream.__call__` to
-#    Starlette's own `StreamingResponse.__call__` and rerun section 2. Does the abort call
-#    still come while the engine is held, or only once a step writes to the dead socket? Count
-#    the steps between C's close and the call.

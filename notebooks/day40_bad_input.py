@@ -27,8 +27,9 @@
 # One class of bad input needs a decision rather than a check: a field this server parses but
 # does not implement, such as `typical_p` or `use_beam_search`. Ignoring it would answer a
 # different question from the one asked, with a 200. `nanoserve.api.check_supported` refuses
-# any such field set to anything but the value that changes nothing; a field that changes
-# nothing (`user`) is accepted.
+# any such field set to anything but the value that changes nothing. A field of OpenAI's
+# request that cannot change the answer, such as `user` (an identifier for the caller's end
+# user, declared in the schema and read by nothing in the server), is accepted.
 #
 # 1. a few plain lines of validation of our own, against the server's answers,
 # 2. the day's table (`days/day40/badinput.py`): 40 requests, the status and error object each

@@ -354,10 +354,11 @@ display(Image(str(path)))
 #    `--block-sizes 8`. Predict which fails before you run it: the pool probe serves a context of
 #    64 tokens, and 4 blocks of 8 hold 32. The check: the second run stops with "the KV pool
 #    holds 32 tokens, fewer than max_model_len 64".
-# 2. Break it on purpose: in `plant_liveness_health`, add `"warming"` to the phases that answer
-#    503, rerun section 5, and watch `check_first_request` pass; then remove `"draining"` and
-#    write the client that catches that one (hint: `probe_life`'s drain).
-# 3. Add `"kv_blocks_free"` to what you read from the 200 body by computing it from `pool` and
-#    `kv_blocks_used`; with section 2's held request, predict it before you run it.
-# 4. Give `first_request` a deadline of 0.5 s and never release the builder: the client must
-#    raise `TimeoutError` with a sentence, not hang.
+# 2. Mend the planted route on purpose: in `plant_liveness_health`, add `"warming"` to the
+#    phases that answer 503, `importlib.reload(health)` and rerun section 5. The check: its
+#    first cell prints that the client saw `loading > warming > ok` and `not caught`, and the
+#    next cell's assert, which expects the planted row to fail `check_first_request`, now fails
+#    in its turn.
+# 3. Call `first_request(url, timeout=0.5)` against a server whose builder you never release.
+#    The check: the client raises `TimeoutError` with a sentence that starts "/health did not
+#    answer 200 within 0.5 s" and lists the statuses it saw, instead of hanging.

@@ -312,5 +312,3 @@ display(Image(filename=str(path)))
 # 3. **Quantiles from counts.** Use `quantile` on the TTFT histogram with q = 0.5 and compare it
 #    with the median of the client's round trips in `sent`. The check: the server's estimate is
 #    below the client's median (its clock starts later and stops earlier).
-# 4. **Finer buckets.** Copy `Metrics` with inter-token buckets every 1 ms up to 20 ms and
-#    rerun the load. The check: the p50 estimate moves, the `_count` and `_sum` do not.

@@ -339,6 +339,3 @@ display(Image(filename=str(path)))
 # 3. **A server that loses tokens.** Copy one `RequestResult` of `report_a` with
 #    `dataclasses.replace`, its `usage_tokens` one short of `asked`. The check: its `complete` is
 #    False, and `summarize` on a report holding it counts 1 in `incomplete`.
-# 4. **Your own server.** Start `nanoserve serve` (or another OpenAI-compatible server) and run
-#    `python days/day43/loadbench.py --url http://127.0.0.1:8000 --model <name>`. The check: the
-#    CSV gains a row for it with `incomplete` 0 and `output_tokens` 375.

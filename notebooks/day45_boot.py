@@ -407,13 +407,19 @@ display(Image(str(path)))
 #
 # ## Try it
 #
-# 1. Move `config.validate()` in `careless_boot` back to the top and check that
-#    `check_refused_before_loading(careless_boot, bad)` now returns the sentence.
-# 2. Add `("block_size 0", {"block_size": 0})` to `boot.BAD_CONFIGS` and rerun section 2: which
-#    column says it was refused before loading? Then find a bad config that only `Engine(...)`
-#    can refuse, other than the two in the table.
-# 3. Break it on purpose: in a copy of `create_app`'s `ready`, set `state.phase = "ready"`
-#    before printing the boot line, and boot section 4's server in a loop; how often can a
-#    reader who saw the 200 not yet find the boot line?
-# 4. Run `python days/day45/boot.py --only serve --warm-max-width 128` and compare the warm list
-#    line and the '503 warming' span of the table with section 5's.
+# 1. **Report too early, on purpose.** In a copy of `build_engine`, move `on_phase("loading")`
+#    above `config.validate()`, and hand the copy to `check_refused_before_loading` with
+#    section 2's `bad` config (`max_batch` 0). The check: it raises
+#    `AssertionError: refused only after ['loading']: max_batch must be at least 1, got 0`,
+#    the line the careless boot prints in its cell. The user's sentence is the same; only the
+#    phase reported before it gives the mistake away.
+# 2. **One more bad config.** Append `("block_size 0", {"block_size": 0})` to
+#    `boot.BAD_CONFIGS` and rerun section 2. The check: the new last row reads `before loading`,
+#    phases `none`, `ValueError: block_size must be at least 1, got 0`, and the cell's assert
+#    against the committed `day-45-refusals.csv` then fails, because the table has a row the
+#    file does not.
+# 3. **A longer warm list.** Copy `days/day45/day-45-serve.csv` aside (the run rewrites it), then
+#    run `python days/day45/boot.py --only serve --warm-max-width 128`. The check: its
+#    `warm list:` line counts 12 graphs, as many as
+#    `len(warm_shapes(4, 512, 32, max_rows=4, max_width=128))`, against the 6 of the committed
+#    table: widths 96 and 128 join 32 and 64 at each of the three row counts.

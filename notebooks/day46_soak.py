@@ -311,5 +311,3 @@ display(Image(filename=str(path)))
 # 3. **Hang up before the first token.** Make the hang-up clients close after 0 events (right
 #    after the headers). The check: `/metrics` still counts one `abort` per hang-up and
 #    `/health` returns to 0 blocks; compare how many blocks the planted leak loses now.
-# 4. **Longer soak.** `python days/day46/soak.py --rounds 4 --clients 64`. The check: both
-#    runs' books balance, and the clean run stays "nothing lost".

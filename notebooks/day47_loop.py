@@ -373,14 +373,20 @@ display(Image(str(path)))
 #
 # ## Try it
 #
-# 1. In `EngineLoop._turn`, change `except Exception` to `except RuntimeError` and rerun the
-#    "step raises" row with a `ValueError` planted instead: which row of the table does it now
-#    look like?
-# 2. In a copy of `EngineLoop`, drop the `_fail_all` call from `_run`'s `finally:` block and
-#    rerun section 4's check on it: it must now fail like the hand loop. Then boot a server on
-#    that copy with the fatal fault: why does the HTTP request still end, about `LIVENESS_POLL`
-#    seconds later?
-# 3. Give the hand loop of section 1 a `try/finally` that sends every pending sink a
-#    `Refused("the loop died", 500)`, and make `check_nobody_waits` pass on it.
-# 4. Run `python days/day47/loopfaults.py --max-tokens 200`: do the statuses change, and does
-#    the longest wait?
+# 1. **Catch too little, on purpose.** In `EngineLoop._turn`, change `except Exception` to
+#    `except RuntimeError`, and make `loopfaults.plant` raise `ValueError("planted fault in
+#    step")` where it raises the `RuntimeError`; restart the kernel and run up to section 3.
+#    The check: the "step raises" row now reads like "step raises fatally" (`error` "the engine
+#    loop stopped: ValueError: planted fault in step", `/health` 503 failed, new request 503),
+#    and the assert against the committed table fails.
+# 2. **Drop the loop's last duty.** Patch `EngineLoop._run` with a copy whose `finally:` block
+#    leaves out the `_fail_all` call, and rerun section 4. The check: `EngineLoop` now fails
+#    `check_nobody_waits` as the hand loop does, with
+#    `3 of 3 requests still waiting after 1 s`. Rerun section 3's dead-loop cells on the patched
+#    class too: the request still gets its 500, now with a message that starts "the request was
+#    aborted", and the time printed under it is close to `LIVENESS_POLL` (1.0 s), because the
+#    handler learns of the dead loop only when its wait runs out and it asks `loop.alive`.
+# 3. **Mend the hand loop.** Give the hand loop of section 1 a `try/finally` that sends every
+#    sink still without a last output a `Refused("the loop died", 500)`. The check:
+#    `check_nobody_waits` passes on it under `fatal_engine()`, and each of the three queues ends
+#    with that `Refused`.

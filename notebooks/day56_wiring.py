@@ -387,7 +387,7 @@ display(Image(filename=str(path)))
 # 2. **Break the boot's promise on purpose.** On that engine set `engine.runner.lazy = True`
 #    (what a warmed engine no longer does) before the three requests. The checks: the run
 #    records `(4, 96)` in front of the requests, `check_no_cold_captures(engine.runner.cold_captures)`
-#    raises with "1 graphs were recorded mid-run after warming", and
+#    raises a `GateError` whose message starts "1 graphs were recorded mid-run", and
 #    `check_warm_graphs_unbound(engine.runner.graphs)` names `(4, 96)` as recorded over real
 #    rows.
 # 3. **Watch the door stay shut on a failed boot.** In section 3's `builder`, raise

@@ -293,12 +293,12 @@ show(read_csv("day-58-profile.csv"), ["attention", "rank", "op", "calls", "self_
 # Over a whole step the gain is small and, at this noise level, not cleanly measured: 0.97x at
 # C = 128, 1.26x at 512, 1.07x at 1024. The profile shows where the step goes. `aten::bmm`, the
 # matmuls of 30 layers and the logits, takes most of it either way (971.2 ms and 964.5 ms of
-# self time in the two profiled steps). The attention is what changed: in the gather step,
-# `index_select` (457.1 ms), the SDPA kernel (321.6 ms) and the label's own share (81.4 ms) add
-# up to 860.1 ms; in the native step the label holds 368.8 ms, the kernel. The aten ops in a
-# step fall from 7,416 to 5,376, 68 fewer per layer. So at 16 rows and these contexts the copy
-# was a real share of the step but not most of it. The copied bytes grow with the context
-# (section 1); the matmuls' work per step does not.
+# self time in the two profiled steps). The attention is what changed: in the gather step it is
+# three entries, `index_select` (457.1 ms), the SDPA kernel (321.6 ms) and the label's own share
+# (81.4 ms); in the native step it is one, the label, which holds the kernel's 368.8 ms. The
+# aten ops in a step fall from 7,416 to 5,376, 68 fewer per layer. So at 16 rows and these
+# contexts the copy was a real share of the step but not most of it. The copied bytes grow with
+# the context (section 1); the matmuls' work per step does not.
 
 # %% [markdown]
 # ## 5. Same tokens

@@ -115,7 +115,7 @@ print(f"{'all':<8} {'':<14} {4 * cfg.num_layers + 1:>8}x {total:>12,} {total * 4
 assert mats["head"] == (49152, 576) and total == packbench.block_params() + 49152 * 576
 
 # %% [markdown]
-# The head is one matrix of 28.3 million weights, 16 times the largest block matrix
+# The head is one matrix of 28,311,552 weights, 16 times the largest block matrix
 # (`gate_up`) and a fifth of everything a step reads. SmolLM2 ties it to the embedding, so on
 # disk it is the same tensor as the token lookup table. Where the time of a plain 16-row decode
 # step goes, from the script's run (section 5 has the whole table):

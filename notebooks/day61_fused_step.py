@@ -19,8 +19,9 @@
 # A decode step of SmolLM2-135M is a long list of small torch operations: per block a norm, a
 # product, a rotary, a K/V write, attention, another product, a residual, and so on, 30 times,
 # then the head. Each of them is dispatched from Python, and each pays a few microseconds
-# before any arithmetic starts. Day 49 priced that at about 6.7 µs an op. With fp32 weights the
-# step has to read 538 MB, and the overhead hides behind that read. With day 60's Q4_1 blocks
+# before any arithmetic starts. Day 49 priced that at about 5.1 µs an op, timed on a 30-layer
+# model only 64 wide (quoted). With fp32 weights the step has to read 538 MB, and the overhead
+# hides behind that read. With day 60's Q4_1 blocks
 # it reads 97 MB, the read shrinks by more than five times, and the same list of ops costs what
 # it cost before: now the overhead is as large as the work.
 #
@@ -95,8 +96,8 @@ assert counted.total == int(csv_row("fp32", 1, "ops")["ops_step"])
 # %% [markdown]
 # The script counted the same number (the assert holds it against the CSV), and the count does
 # not depend on the weights' values, only on the code path, the layers and the thread count.
-# Priced at day 49's 6.7 µs an op, and set against what reading the weights once costs at the
-# read bandwidth the script measured:
+# Priced at day 49's 5.1 µs an op (quoted), and set against what reading the weights once costs
+# at the read bandwidth the script measured:
 
 # %%
 bandwidth = float(CSV[0]["bandwidth_gbs"])
@@ -104,17 +105,19 @@ print(f"read bandwidth in the script's run: {bandwidth} GB/s")
 for weights in ("fp32", "q4_1"):
     r = csv_row(weights, 1, "ops")
     mb, n = float(r["weight_mb"]), int(r["ops_step"])
-    read_ms, overhead_ms = mb / bandwidth, n * 6.7e-3
+    read_ms, overhead_ms = mb / bandwidth, n * 5.1e-3
     print(
         f"{weights:>5}: {mb:6.1f} MB of weights -> {read_ms:5.1f} ms to read;  "
-        f"{n} ops x 6.7 µs = {overhead_ms:4.1f} ms  (overhead / read = {overhead_ms / read_ms:.2f})"
+        f"{n} ops x 5.1 µs = {overhead_ms:4.1f} ms  (overhead / read = {overhead_ms / read_ms:.2f})"
     )
 
 # %% [markdown]
 # The Q4_1 step has fewer ops (its linears are one native call each, where the plain fp32 linear
-# is several aten ops), but its read shrank far more. With fp32 weights the overhead is about 0.4
-# of the read; with Q4_1 it is more than the read itself, at day 49's price per op (and the
-# script's own price per removed op, section 2, is close to day 49's for Q4_1).
+# is several aten ops), but its read shrank far more. With fp32 weights the overhead is about 0.3
+# of the read; with Q4_1 it is as large as the read itself, at day 49's price per op. That price
+# was taken on tensors 64 wide, and the script's own price per removed op for Q4_1 (sections 2
+# and 3: 11.5 µs at one row down to 7.0 at 16) is above it, so on this model the overhead is
+# larger still.
 #
 # ## 2. The fused step: what is left, and one row timed both ways
 #
@@ -374,11 +377,13 @@ display(Image(filename=png))
 # %% [markdown]
 # ## In the real systems
 #
-# * **vLLM and SGLang** face the same per-step overhead on a GPU as kernel launches: a decode
-#   step of a small model is hundreds of short kernels, each with a few microseconds of launch
-#   cost. Both record the decode forward as CUDA graphs for a list of batch sizes at startup
-#   (vLLM's `cudagraph_capture_sizes` in its compilation config, SGLang's `--cuda-graph-max-bs`)
-#   and replay one graph a step; our days 51-56 built that idea for the CPU with `HostGraph`.
+# * **vLLM and SGLang** face the same per-step overhead on a GPU, where each op that computes
+#   is a kernel launch. Day 49 counted 2,154 ops issued from Python in one decode step of this
+#   model and reckoned on paper, without a GPU to measure, that a GPU would spend most of such a
+#   step waiting on the CPU (quoted). Both record the decode forward as CUDA graphs for a list
+#   of batch sizes at startup (vLLM's `cudagraph_capture_sizes` in its compilation config,
+#   SGLang's `--cuda-graph-max-bs`) and replay one graph a step; our days 51-56 built that idea
+#   for the CPU with `HostGraph`.
 #   A graph removes the launches but keeps the kernels; fusing them is a separate step.
 # * **llama.cpp** builds a ggml compute graph for each batch (`llama_build_graph` in older
 #   trees, per-architecture builders such as `build_llama` since) and runs it on the CPU backend

@@ -218,10 +218,10 @@ assert diff < TOL
 
 # %% [markdown]
 # The difference is a few units in the last place (ulp) of the largest entry, 24.60: five on
-# the AVX-512 CPU this ran on, two on an AVX2 one, whose kernels add in other orders. The same
-# products, only added up in another order (each rank sums over its own heads or columns, then
-# the three partial results are added). fp32 rounding, nothing more; `TOL` is a few times the
-# larger of the two. The engine's `tp.shard` holds exactly these slices, tensor for tensor:
+# the AVX-512 CPU this ran on, and the exact count follows the order in which a CPU's kernels
+# add. The same products, only added up in another order (each rank sums over its own heads or
+# columns, then the three partial results are added). fp32 rounding, nothing more; `TOL` is
+# about five times the difference measured here. The engine's `tp.shard` holds exactly these slices, tensor for tensor:
 
 # %%
 slots = int(CSV[0]["kv_tokens"])  # the pool of section 5, for each rank's share of it
@@ -630,9 +630,10 @@ display(Image(filename=png))
 #    `torch.equal` checks of it against `rank_slices(1)`: the `gate_up` assert must fail. Then
 #    build the same swap into `rank_slices` (gate from the up rows and up from the gate rows) and
 #    watch the block check of section 6 refuse it as well.
-# 3. **Count for another model.** For a Llama-3-8B shape (32 blocks, 32 query heads, 8 K/V
-#    heads, MLP 14,336), write a `LlamaConfig` and check that `tp.allowed_ranks` is
-#    `[1, 2, 4, 8]` and that a step costs `2 * 32 + 3 = 67` collectives whatever the rank count.
+# 3. **Count for another model.** Take Llama-3-8B's shape from its `config.json` on the
+#    Hugging Face hub (quoted): 32 blocks, 32 query heads, 8 K/V heads, an MLP of 14,336. Write
+#    a `LlamaConfig` for it and check that `tp.allowed_ranks` is `[1, 2, 4, 8]` and that a step
+#    costs `2 * 32 + 3 = 67` collectives whatever the rank count.
 # 4. **Kill a rank.** Rerun section 4 with a longer generation (raise `new_tokens` in the script
 #    to a few thousand, and `max_model_len`, `kv_budget` and the tiny model's
 #    `max_position_embeddings` with it), and once the ranks have been running for about ten

@@ -238,9 +238,9 @@ assert all(float(r["logits_moved"]) > 100 * familybench.TOL for r in rows if r["
 # %% [markdown]
 # All four match transformers within 1e-4; on the machine that wrote the CSV, to the last bit
 # (`max_diff_hf` 0e+00). The extra tensors are a sliver of each model, 96 parameters a block for
-# Qwen2 and 16 for Qwen3 out of about 156,000, but making them inert moves the logits by 1.004 for
-# the Llama with biases, 0.989 for Qwen2 and 0.146 for Qwen3, on logits whose largest magnitude is
-# 0.488 to 0.705: more than a thousand times the tolerance. The norms move them least because a
+# Qwen2 and 16 for Qwen3, in models of 156,384 and 156,144 parameters, but making them inert
+# moves the logits by 1.004 for the Llama with biases, 0.989 for Qwen2 and 0.146 for Qwen3, on
+# logits whose largest magnitude is 0.488 to 0.705: more than a thousand times the tolerance. The norms move them least because a
 # norm weight of 1 is not far from U(0.5, 1.5), while a bias of 0 is far from N(0, 0.5). The rows
 # equal `days/day64/day-64-families.csv` in every column but that rounding one.
 #
@@ -676,6 +676,6 @@ display(Image(filename=png))
 #    (V's stays where it was), and watch `qwen2` and `llama+bias` fail and the others pass.
 # 3. **Count a real Qwen3.** Qwen3-0.6B has 28 blocks, 16 query heads and 8 K/V heads of 128, and
 #    no biases. Write its `LlamaConfig` (`qk_norm=True`, `family="qwen3"`) and compute the
-#    parameters its query/key norms add: `2 * 128` a block, 7,168 in all. The check: a `Llama`
+#    parameters its query/key norms add: `2 * 128` a block, `28 * 2 * 128` in all. The check: a `Llama`
 #    built from that config (on the `meta` device, so nothing is allocated) has
 #    `sum(b.q_norm.numel() + b.k_norm.numel() for b in model.blocks) == 7168`.

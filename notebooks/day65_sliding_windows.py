@@ -260,7 +260,7 @@ print(f"WindowBlocks.first_needed and prepare agree with the hand on all {len(go
 # Three things to read in it. The second chunk's oldest query (position 512) still reads
 # position 1, so nothing is given back until the third chunk. A prompt chunk holds more than a
 # window: the chunk [1024, 1500) holds blocks 32-93, 62 of them, because its first query reads
-# back to 513 and its last writes 1499. And in decode, a row holds 32 or 33 blocks of 16 for a
+# back to 513 and its last writes the one before 1500. And in decode, a row holds 32 or 33 blocks of 16 for a
 # window of 512: 32 when the window starts on a block boundary (position 1536 at the step
 # [2047, 2048)), 33 when it straddles one, which is why the pool has to count
 # ceil((window - 1) / bs) + 1 blocks a row and not window / bs.
@@ -411,7 +411,7 @@ assert list(FIRST_FAILURE) == [freed_early["variant"]]
 # (the converted directory `fetch_named_model` keeps) gives 18 layers, 1 K/V head of 256 and a
 # window of 512; its hidden size of 640 and its 262,144-entry vocabulary do not enter. So
 # `windowbench.toy_270m` keeps that config but for hidden 64, MLP 128, vocabulary 256, one query
-# head (queries are not cached) and rotary tables for 4,160 positions, draws random weights, and
+# head (queries are not cached) and rotary tables for 4,096 + 64 positions, draws random weights, and
 # runs prompts of up to 4,095 tokens in seconds.
 
 # %%
@@ -619,7 +619,8 @@ print(f"notebook ran in {time.perf_counter() - T0:.0f} s")
 #    --out /tmp/d65` (the pool and the rotary tables grow to fit; about two minutes on two
 #    cores) and read `ratio` in `/tmp/d65/day-65-memory.csv`. Predict it first from section 4:
 #    `18 * F / (3 * F + 15 * S)` with `F = ceil(c / 16)` full blocks and `S` sliding blocks (32
-#    at these contexts). The check: 4.57 at 8,192 and 5.19 at 16,384, still under 6, and
+#    at these contexts). The check: `18 * 512 / (3 * 512 + 15 * 32)` at 8,192 and
+#    `18 * 1024 / (3 * 1024 + 15 * 32)` at 16,384, to two places, still under 6, and
 #    `bytes_with` equal to `16 * 2048 * (3 * F + 15 * S)`.
 # 2. **Plant the `<=`.** In `nanoserve/cache.py`'s `_windowed_chunk`, change
 #    `(keys > pos - window)` to `(keys >= pos - window)`: a window of 9 for the queries of a

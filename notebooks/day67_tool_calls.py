@@ -770,7 +770,7 @@ print(f"notebook ran in {time.perf_counter() - T0:.0f} s")
 #    `"\n"?` at the end of the "required" start rule (`'start: call ("\n" call)*'`); the comment
 #    above it says what the model does then. Predict, then run `python days/day67/toolbench.py
 #    --out /tmp/d67`. The check: every `required_finish` is "length" and every
-#    `required_tokens` is 60 (the summary's required `tokens` 900 against 464), with two calls
+#    `required_tokens` is 60 (the summary's required `tokens` 15 x 60 against 464), with two calls
 #    in most answers; the summary's `valid_calls` still says 12, since the first call of each
 #    answer validates. Only the token count and the finish reason show the mistake. Put the
 #    `"\n"?` back.
