@@ -21,8 +21,11 @@ A step's addressing comes from a `StepPlan` (`plan.py`); `view(plan)` binds the 
   causally; a mixed step's decode rows come first and are batched as in decode. A row with
   context_lens 0 is fully masked and yields zeros, never NaN.
 
-Pools are allocated on the first write of each layer (`_ensure_pool`), so building a cache is
-free and the memory is taken when the first batch arrives.
+A layer's pools are allocated on its first write (`_ensure_pool`), so building a cache is free,
+unless something asks for every layer's at once (`ensure_pools`): a warmed boot does, in
+`Engine.warm_trim` and `warm_decode`, before it measures free memory and records (day 56), and
+the fused decode step does on each call, so its native code finds every pool there. A lazy boot
+on the ops path therefore takes the memory during its first request's prefill, layer by layer.
 """
 
 from __future__ import annotations

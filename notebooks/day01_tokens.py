@@ -443,8 +443,9 @@ display(Image(filename=png))
 # * **transformers' GGUF loader** has no `smollm` entry in its split table
 #   (`GGUF_PRE_TOKENIZER_SPLITS`, `integrations/gguf/gguf_tokenizer_mapping.py`, as of
 #   transformers 5.25.0, the version installed here), so a tokenizer it builds from this GGUF
-#   does not cut numerals off first; `tests/test_tokenizer.py::test_numbers_are_split_one_by_one_unlike_transformers_gguf` pins
-#   the ids that differ (` ½` among them).
+#   does not cut numerals off first;
+#   `tests/test_tokenizer.py::test_numbers_are_split_one_by_one_unlike_transformers_gguf`
+#   pins the ids that differ (` ½` among them).
 # * **nano-vllm** does not stream: `LLMEngine` (`nanovllm/engine/llm_engine.py`) loads
 #   `AutoTokenizer`, encodes each prompt, and calls `decode` once per finished sequence; its
 #   `example.py` renders the chat template through transformers' `apply_chat_template`.

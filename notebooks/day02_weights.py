@@ -163,9 +163,9 @@ for t in reader.tensors[:10]:
     print(f"{t.name:28} {t.tensor_type.name:5} {shape:12} {str(t.data.shape):14} {hf_name(t.name)}")
 
 # %% [markdown]
-# The projections are 210 Q4_1 matrices (7 per block, 30 blocks): 106,168,320 of the
-# 134,515,008 parameters in 66,355,200 bytes. The embedding is kept at higher precision, Q8_0, and with 49,152 rows
-# of 576 it is 31% of the file. The 61 norm vectors stay F32; they are 0.1% of the bytes.
+# The projections are 210 Q4_1 matrices (7 per block, 30 blocks): 106,168,320 of the 134,515,008
+# parameters in 66,355,200 bytes. The embedding is kept at higher precision, Q8_0, and with 49,152
+# rows of 576 it is 31% of the file. The 61 norm vectors stay F32; they are 0.1% of the bytes.
 #
 # ## 3. One Q4_1 block by hand
 #

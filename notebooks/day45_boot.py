@@ -36,8 +36,8 @@
 # 4. `build_engine` behind an in-process server: what `on_phase` reports, `/health` during
 #    and after, the stderr lines and the boot line, the engine equal to the hand-built one, and
 #    a builder that fails,
-# 6. the real `nanoserve serve` watched from outside (`days/day45/boot.py`),
-# 7. the diagram.
+# 5. the real `nanoserve serve` watched from outside (`days/day45/boot.py`),
+# 6. the diagram.
 
 # %%
 import contextlib

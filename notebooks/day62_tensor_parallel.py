@@ -217,11 +217,12 @@ print(f"tolerance: {TOL:.0e}")
 assert diff < TOL
 
 # %% [markdown]
-# The difference is a few units in the last place (ulp) of the largest entry, 24.60: five on
-# the AVX-512 CPU this ran on, and the exact count follows the order in which a CPU's kernels
-# add. The same products, only added up in another order (each rank sums over its own heads or
-# columns, then the three partial results are added). fp32 rounding, nothing more; `TOL` is
-# about five times the difference measured here. The engine's `tp.shard` holds exactly these slices, tensor for tensor:
+# The difference is a few units in the last place (ulp) of the largest entry, 24.60: five on the
+# AVX-512 CPU this ran on, and the exact count follows the order in which a CPU's kernels add. The
+# same products, only added up in another order (each rank sums over its own heads or columns,
+# then the three partial results are added). fp32 rounding, nothing more; `TOL` is about five
+# times the difference measured here. The engine's `tp.shard` holds exactly these slices, tensor
+# for tensor:
 
 # %%
 slots = int(CSV[0]["kv_tokens"])  # the pool of section 5, for each rank's share of it
@@ -621,9 +622,9 @@ display(Image(filename=png))
 #
 # 1. **Split the MLP unevenly.** In `rank_slices`, give rank 0 columns 0-767 and ranks 1 and 2
 #    384 each (adjust the slices of gate, up and down together). The check: `split_block(x,
-#    ...)` still equals `one` within `TOL`, because a partial sum may cover any set of columns;
-#    then explain why `tp.shard` still insists on equal shares (hint: one rank's matmul sets the
-#    pace of every all-reduce).
+#    ...)` still equals `one` within `TOL`, because a partial sum may cover any set of columns.
+#    (`tp.shard` still insists on equal shares: the slowest rank's matmul sets the pace of every
+#    all-reduce.)
 # 2. **Break it on purpose in the engine's own split.** Take rank 1's shard, `m, _ =
 #    tp.shard(full, 1, 3)`, swap the gate and up halves of block 0's `gate_up` (`g =
 #    m.blocks[0].gate_up; g.copy_(torch.cat([g[512:], g[:512]]))`) and run section 2's
@@ -634,9 +635,3 @@ display(Image(filename=png))
 #    Hugging Face hub (quoted): 32 blocks, 32 query heads, 8 K/V heads, an MLP of 14,336. Write
 #    a `LlamaConfig` for it and check that `tp.allowed_ranks` is `[1, 2, 4, 8]` and that a step
 #    costs `2 * 32 + 3 = 67` collectives whatever the rank count.
-# 4. **Kill a rank.** Rerun section 4 with a longer generation (raise `new_tokens` in the script
-#    to a few thousand, and `max_model_len`, `kv_budget` and the tiny model's
-#    `max_position_embeddings` with it), and once the ranks have been running for about ten
-#    seconds call `ranks[1].kill()`. The check: rank 0 exits with a nonzero code within a second
-#    or so, its stderr ending in `tp.RankLost: a tensor-parallel rank is gone: ...`, instead of
-#    waiting on its dead peer.

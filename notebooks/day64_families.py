@@ -238,11 +238,12 @@ assert all(float(r["logits_moved"]) > 100 * familybench.TOL for r in rows if r["
 # %% [markdown]
 # All four match transformers within 1e-4; on the machine that wrote the CSV, to the last bit
 # (`max_diff_hf` 0e+00). The extra tensors are a sliver of each model, 96 parameters a block for
-# Qwen2 and 16 for Qwen3, in models of 156,384 and 156,144 parameters, but making them inert
-# moves the logits by 1.004 for the Llama with biases, 0.989 for Qwen2 and 0.146 for Qwen3, on
-# logits whose largest magnitude is 0.488 to 0.705: more than a thousand times the tolerance. The norms move them least because a
-# norm weight of 1 is not far from U(0.5, 1.5), while a bias of 0 is far from N(0, 0.5). The rows
-# equal `days/day64/day-64-families.csv` in every column but that rounding one.
+# Qwen2 and 16 for Qwen3, in models of 156,384 and 156,144 parameters, but making them inert moves
+# the logits by 1.004 for the Llama with biases, 0.989 for Qwen2 and 0.146 for Qwen3, on logits
+# whose largest magnitude is 0.488 to 0.705: more than a thousand times the tolerance. The norms
+# move them least because a norm weight of 1 is not far from U(0.5, 1.5), while a bias of 0 is far
+# from N(0, 0.5). The rows equal `days/day64/day-64-families.csv` in every column but that
+# rounding one.
 #
 # ## 4. The loader: a `qwen2` GGUF keeps its Q/K rows as they were
 #
