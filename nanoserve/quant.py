@@ -306,9 +306,7 @@ def gguf_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
 # Q5_0 in tiles: bit 8k + c of a row's 32-bit word of fifth bits is the fifth bit of byte k of
 # code vector c, which is code 4c + k (c < 4: the low nibbles) or 16 + 4(c - 4) + k (the high
 # ones); _Q5_BITS[i] is the code whose bit goes to bit i (csrc/kquant.cpp's q5t_bit).
-_Q5_BITS = torch.tensor(
-    [(4 * c + k if c < 4 else 16 + 4 * (c - 4) + k) for k in range(4) for c in range(8)], dtype=torch.int64
-)
+_Q5_BITS = [(4 * c + k if c < 4 else 16 + 4 * (c - 4) + k) for k in range(4) for c in range(8)]
 
 
 def tile_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
@@ -328,10 +326,10 @@ def tile_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
         head = b[..., :4].reshape(t, g, TILE, 2, 2).transpose(2, 3).reshape(t, g, 64)  # 16 d, 16 m
         codes = b[..., 4:]
     elif kind == "q5_0":  # 16 d, then each row's fifth bits reordered (_Q5_BITS), then the nibbles
-        qh = b[..., 2:6].contiguous().view(torch.int32).to(torch.int64)[..., 0]  # (tiles, blocks, 16)
-        perm = ((qh[..., None] >> _Q5_BITS) & 1) << torch.arange(32)
-        perm = perm.sum(-1)
-        perm = torch.where(perm >= 2**31, perm - 2**32, perm).to(torch.int32)
+        qh = b[..., 2:6].contiguous().view(torch.int32)[..., 0]  # (tiles, blocks, 16)
+        perm = torch.zeros_like(qh)
+        for i, code in enumerate(_Q5_BITS):  # a bit at a time: no (..., 32) temporaries
+            perm |= ((qh >> code) & 1) << i
         bits = perm.contiguous().view(torch.uint8).reshape(t, g, 64)
         head = torch.cat([b[..., :2].reshape(t, g, 32), bits], -1)
         codes = b[..., 6:]
@@ -356,10 +354,10 @@ def untile_rows(tiles: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     if kind == "q4_1":
         parts = [d, b[..., 32:64].reshape(t, g, TILE, 2)]
     elif kind == "q5_0":
-        perm = b[..., 32:96].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # (t, g, 16)
-        bits = (perm[..., None] >> torch.arange(32)) & 1  # bit i of the tiles' word
-        qh = (bits << _Q5_BITS).sum(-1)
-        qh = torch.where(qh >= 2**31, qh - 2**32, qh).to(torch.int32)
+        perm = b[..., 32:96].contiguous().view(torch.int32)  # (t, g, 16)
+        qh = torch.zeros_like(perm)
+        for i, code in enumerate(_Q5_BITS):
+            qh |= ((perm >> i) & 1) << code
         parts = [d, qh.contiguous().view(torch.uint8).reshape(t, g, TILE, 4)]
     else:
         parts = [d]  # the sums are derived; the file does not hold them
