@@ -304,9 +304,10 @@ def gguf_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 # Q5_0 in tiles: bit 8k + c of a row's 32-bit word of fifth bits is the fifth bit of byte k of
-# code vector c, which is code 4c + k (c < 4: the low nibbles) or 16 + 4(c - 4) + k (the high
-# ones); _Q5_BITS[i] is the code whose bit goes to bit i (csrc/kquant.cpp's q5t_bit).
-_Q5_BITS = [(4 * c + k if c < 4 else 16 + 4 * (c - 4) + k) for k in range(4) for c in range(8)]
+# code vector c, which is code 4c + k (c < 4: the low nibbles, codes 0-15; c >= 4: the high ones,
+# 16 + 4(c - 4) + k, the same number); _Q5_BITS[i] is the code whose bit goes to bit i
+# (csrc/kquant.cpp's q5t_bit).
+_Q5_BITS = [4 * c + k for k in range(4) for c in range(8)]
 
 
 def tile_rows(blocks: torch.Tensor, kind: str) -> torch.Tensor:
