@@ -61,8 +61,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from nanocourse import write_csv  # noqa: E402
 from nanoserve.bench import cpu_line  # noqa: E402
-from nanoserve.course import write_csv  # noqa: E402
 from nanoserve.sampling import SamplingParams, sample_rows  # noqa: E402
 
 MODELS_DIR = Path.home() / ".cache" / "nanoserve" / "models"

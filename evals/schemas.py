@@ -71,8 +71,8 @@ from typing import Literal, NamedTuple
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from nanocourse import write_csv  # noqa: E402
 from nanoserve.bench import cpu_line  # noqa: E402
-from nanoserve.course import write_csv  # noqa: E402
 
 MODEL = "qwen2.5-coder-0.5b-instruct"  # the registry's name (fetch.py)
 SERVED = "Qwen2.5-Coder-0.5B-Instruct"  # the name the server answers to
@@ -1151,8 +1151,8 @@ def serve():
     """The engine as the README serves Qwen2.5-Coder (a context manager yielding the URL)."""
     import contextlib
 
+    from nanocourse import ServerThread
     from nanoserve.config import EngineConfig
-    from nanoserve.course import ServerThread
     from nanoserve.engine import build_engine
     from nanoserve.serve import create_app
 

@@ -37,6 +37,7 @@ in one run, is the figure to quote. Each benchmark ends with one machine-readabl
 from __future__ import annotations
 
 import argparse
+import csv
 import re
 import sys
 import time
@@ -44,8 +45,20 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.course import write_csv
 from nanoserve.errors import NanoserveError
+
+
+def write_csv(rows: list[dict], path: str | Path) -> Path:
+    """Rows to CSV; the columns are every key in order of first appearance (a row without one
+    leaves it empty)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 def cpu_line() -> str:

@@ -46,7 +46,7 @@ from IPython.display import Image, display
 from tokenizers import Tokenizer as Backend
 from tokenizers import pre_tokenizers
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.tokenizer import REPLACEMENT, Tokenizer
 from nanoserve.weights import fetch_default_model
 

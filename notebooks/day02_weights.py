@@ -51,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.weights import (
     default_gguf_path,
     fetch_default_model,

@@ -52,7 +52,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.models import linear, load_model, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict

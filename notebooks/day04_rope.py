@@ -53,7 +53,7 @@ from IPython.display import Image, display
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.models import LlamaConfig, apply_rope, linear, rms_norm, rope_inv_freq, rope_tables
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict, unpermute_rotary_rows

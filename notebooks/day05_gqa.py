@@ -58,8 +58,8 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
+from nanocourse import REPO, diagram_path
 from nanoserve.contiguous import causal_attention
-from nanoserve.course import REPO, diagram_path
 from nanoserve.models import LlamaConfig, apply_rope, linear, rms_norm, rope_tables
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict

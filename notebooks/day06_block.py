@@ -52,8 +52,8 @@ import transformers
 from IPython.display import Image, display
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from nanocourse import REPO, diagram_path
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.models import apply_rope, load_model, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model, load_state_dict

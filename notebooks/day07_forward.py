@@ -49,7 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer

@@ -44,8 +44,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer

@@ -45,7 +45,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.models import load_model
 from nanoserve.sampling import SAMPLING_EPS, SamplingParams, filter_logits, sample, sample_rows
 from nanoserve.tokenizer import Tokenizer

@@ -48,8 +48,8 @@ from hypothesis import Verbosity, find, given, settings
 from hypothesis import strategies as st
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.generate import decode_loop
 from nanoserve.models import load_model

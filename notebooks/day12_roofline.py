@@ -46,8 +46,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line, read_bandwidth_gbs
-from nanoserve.course import REPO, diagram_path
 from nanoserve.models import BF16_UPCAST_ROWS, load_model
 from nanoserve.weights import fetch_default_model
 

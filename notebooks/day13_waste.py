@@ -52,9 +52,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.blocks import BlockAllocator, BlockTable
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.models import LlamaConfig
 from nanoserve.weights import fetch_default_model
 

@@ -53,9 +53,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks
-from nanoserve.course import REPO, diagram_path
 
 sys.path.insert(0, str(REPO / "days" / "day14"))
 import allocator as day  # the day's script: the notebook runs its story and reads back its CSVs

@@ -51,9 +51,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockTable
-from nanoserve.course import REPO, diagram_path
 from nanoserve.errors import GateError
 from nanoserve.plan import check_plan_addressing, check_window_intact
 

@@ -49,10 +49,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.blocks import BlockAllocator, BlockTable
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.models import Llama, LlamaConfig
 from nanoserve.pool import DEFAULT_CPU_BUDGET, KVPoolPlan, parse_bytes, plan_pool

@@ -52,10 +52,10 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from torch.overrides import TorchFunctionMode
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.errors import GateError
 from nanoserve.plan import check_plan_addressing, plan_decode, plan_prefill
 

@@ -50,11 +50,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.kernels import native, native_status
 from nanoserve.plan import plan_decode, plan_prefill
 from nanoserve.sampling import SamplingParams

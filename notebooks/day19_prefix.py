@@ -53,11 +53,11 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.blocks as blocks
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator, BlockTable, block_hashes
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model

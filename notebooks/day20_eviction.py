@@ -51,9 +51,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.blocks import BlockAllocator, BlockTable, block_hashes
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.sampling import SamplingParams
 
 sys.path.insert(0, str(REPO / "days" / "day20"))
@@ -178,7 +178,7 @@ assert replay(BlockAllocator)[1] == [0, None] and replay(HeadFirst)[1] == [None,
 #
 # ## 2. A shared block when one owner finishes
 #
-# From here on the engine itself, over the tiny random-weight Llama (`nanoserve.course.
+# From here on the engine itself, over the tiny random-weight Llama (`nanocourse.
 # tiny_llama`, 2 layers, head dim 16) with 4-token blocks: `evictbench.engine(model, blocks)`
 # builds one over a pool of exactly that many blocks. Two samples of one 14-token prompt go
 # in, the way `n` samples of a request do: `add_request(..., after="a")` holds the second one

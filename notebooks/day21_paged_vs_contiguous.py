@@ -49,8 +49,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, diagram_path, tiny_llama
 
 sys.path.insert(0, str(REPO / "days" / "day21"))
 import pagedbench  # the day's script: the notebook runs it on the tiny model, reads its SmolLM2 run

@@ -56,8 +56,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line, throughput_workload
-from nanoserve.course import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
 
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, imported by transformers

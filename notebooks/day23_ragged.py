@@ -53,11 +53,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
 from nanoserve.plan import plan_decode, plan_prefill

@@ -51,11 +51,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedCacheRows, BatchedPagedKVCache
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import load_model

@@ -49,8 +49,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import load_model

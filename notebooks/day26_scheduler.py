@@ -53,9 +53,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.generate import greedy_tokens
 from nanoserve.scheduler import Scheduler
 

@@ -52,8 +52,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line, throughput_workload
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.generate import greedy_tokens
 from nanoserve.scheduler import Scheduler
 

@@ -56,10 +56,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line, throughput_workload
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler

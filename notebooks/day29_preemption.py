@@ -51,8 +51,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler
 

@@ -54,9 +54,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams

@@ -48,8 +48,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, diagram_path
 from nanoserve.scheduler import Scheduler
 
 sys.path.insert(0, str(REPO / "days" / "day31"))

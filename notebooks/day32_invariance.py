@@ -50,8 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, diagram_path
 from nanoserve.models import linear, rms_norm
 
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm, imported by the tests' imports

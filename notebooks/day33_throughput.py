@@ -49,9 +49,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line, run_nanoserve_workload, throughput_workload
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.generate import greedy_tokens
 
 sys.path.insert(0, str(REPO / "days" / "day33"))

@@ -59,7 +59,7 @@ import matplotlib.pyplot as plt
 from fastapi.routing import APIRoute
 from IPython.display import Image, display
 
-from nanoserve.course import REPO, ServerThread, diagram_path, tiny_llama
+from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
 from nanoserve.generate import greedy_tokens
 from nanoserve.serve import create_app
 

@@ -55,8 +55,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, diagram_path
 from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model

@@ -55,10 +55,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, ServerThread, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.cli import main as cli_main
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, ServerThread, diagram_path
 from nanoserve.engine import Engine, build_engine
 from nanoserve.models import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams

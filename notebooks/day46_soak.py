@@ -50,8 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, ServerThread, diagram_path, tiny_llama
 from nanoserve.serve import create_app
 
 sys.path.insert(0, str(REPO / "days" / "day46"))

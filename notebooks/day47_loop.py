@@ -53,8 +53,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, ServerThread, diagram_path, tiny_llama
 from nanoserve.engine import RequestOutput
 from nanoserve.loop import Accepted, EngineLoop, Refused
 from nanoserve.sampling import SamplingParams

@@ -46,8 +46,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import read_bandwidth_gbs
-from nanoserve.course import REPO, diagram_path
 from nanoserve.errors import GateError
 from nanoserve.models import load_model
 from nanoserve.weights import fetch_default_model

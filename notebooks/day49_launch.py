@@ -48,7 +48,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanoserve.course import REPO, diagram_path
+from nanocourse import REPO, diagram_path
 from nanoserve.errors import GateError
 
 sys.path.insert(0, str(REPO / "days" / "day49"))

@@ -56,8 +56,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.capture import HostGraph, ReplayError
-from nanoserve.course import REPO, diagram_path, tiny_llama
 
 sys.path.insert(0, str(REPO / "days" / "day50"))
 import graphs  # the day's script: the notebook prints the tables it writes

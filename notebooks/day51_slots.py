@@ -49,8 +49,8 @@ import numpy as np
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
+from nanocourse import REPO, diagram_path
 from nanoserve.capture import HostGraph
-from nanoserve.course import REPO, diagram_path
 from nanoserve.errors import GateError
 from nanoserve.plan import (
     check_mapping_is_window,

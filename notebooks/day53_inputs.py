@@ -45,9 +45,9 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
+from nanocourse import REPO, diagram_path
 from nanoserve.capture import check_addresses_stable
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.inputs import PersistentInputs

@@ -52,10 +52,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.buckets import check_pad_inert
 from nanoserve.capture import check_addresses_stable, check_replay_rows
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.inputs import PersistentInputs

@@ -52,10 +52,10 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanocourse import REPO, ServerThread, diagram_path
 from nanoserve.buckets import bucket_up, width_buckets
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, ServerThread, diagram_path
 from nanoserve.engine import build_engine
 from nanoserve.errors import GateError
 from nanoserve.sampling import SamplingParams

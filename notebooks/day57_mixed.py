@@ -50,10 +50,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path, tiny_llama
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.plan import plan_decode
@@ -352,7 +352,7 @@ print("prefill-first / budget:", {k: f"{v:.2f}x" for k, v in ratio.items()})
 # %% [markdown]
 # ## 6. Where a mixed step's time goes
 #
-# The same script ran `torch.profiler` (`nanoserve.course.cpu_profile`) over one whole engine
+# The same script ran `torch.profiler` (`nanocourse.cpu_profile`) over one whole engine
 # step of 16 decode rows, and over one step of the same 16 rows plus a 112-token prompt chunk
 # (budget 128). The six ops with the most self CPU time in each:
 

@@ -54,11 +54,11 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.kernels as kernels
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model

@@ -56,10 +56,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, tiny_config
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path, tiny_config
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.kernels import native

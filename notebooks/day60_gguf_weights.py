@@ -58,10 +58,10 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.gguf_file as gguf_file
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line, decode_rate, engine_tokens_of, read_bandwidth_gbs
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes, rms_norm
 from nanoserve.quant import QuantTensor, dequantize_torch, int8_rows

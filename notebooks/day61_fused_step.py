@@ -50,9 +50,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.models import describe_weights, load_model, model_weight_bytes, quantize_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer

@@ -65,10 +65,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve import tp
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache, causal_attention
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import build_engine
 from nanoserve.errors import NanoserveError
 from nanoserve.models import LlamaConfig, apply_rope, linear, load_model, model_weight_bytes, rms_norm

@@ -56,8 +56,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve import kquants
-from nanoserve.course import REPO, diagram_path
 from nanoserve.fetch import fetch_named_gguf
 from nanoserve.quant import QuantTensor
 

@@ -62,11 +62,11 @@ import matplotlib.pyplot as plt
 from gguf.quants import dequantize
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve import gguf_file, kquants
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache, causal_attention
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.fetch import fetch_default_gguf, fetch_default_model, fetch_named_gguf, fetch_named_model
 from nanoserve.models import LlamaConfig, apply_rope, linear, load_model, model_weight_bytes, rms_norm

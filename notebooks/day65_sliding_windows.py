@@ -57,11 +57,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import WindowBlocks
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model

@@ -66,9 +66,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path
 from nanoserve.engine import Engine
 from nanoserve.grammar import JSON_LAYOUT, Guided, apply_mask, mask_allows
 from nanoserve.models import load_model

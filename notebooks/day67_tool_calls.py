@@ -68,9 +68,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
+from nanocourse import REPO, diagram_path, served
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, diagram_path, served
 from nanoserve.engine import Engine
 from nanoserve.fetch import fetch_named_model
 from nanoserve.grammar import Guided

@@ -72,8 +72,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.engine as engine_module
+from nanocourse import REPO, diagram_path
 from nanoserve.bench import cpu_line
-from nanoserve.course import REPO, diagram_path
 from nanoserve.sampling import SamplingParams
 from nanoserve.speculative import (
     FIRST_PAUSE,

@@ -15,10 +15,10 @@ import pytest
 
 import nanoserve
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import Engine
 from nanoserve.http_extras import AccessLog, cors_options, parse_list
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

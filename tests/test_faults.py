@@ -22,11 +22,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 from tests.test_engine import check_same_or_near_tie
 
 MAX_BATCH = 4

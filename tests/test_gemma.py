@@ -429,10 +429,10 @@ def test_gemma_served_a_base_model_refuses_chat_with_a_sentence_and_completes(ge
     import openai
 
     from nanoserve import tp
-    from nanoserve.course import ServerThread
     from nanoserve.engine import build_engine
     from nanoserve.errors import NanoserveError
     from nanoserve.serve import create_app
+    from nanoserve.threads import ServerThread
 
     with pytest.raises(NanoserveError, match="this model has 1 K/V heads.*run it on 1 rank"):
         tp.check_split(LlamaConfig.from_dir(gemma[0]), 2)

@@ -16,8 +16,8 @@ import pytest
 
 import nanoserve.api as api
 import nanoserve.responses as responses
-from nanoserve.course import ServerThread
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanocourse import tiny_config
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.course import tiny_config
 from nanoserve.kernels import native, native_status
 from nanoserve.models import LlamaConfig
 

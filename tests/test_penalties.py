@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanoserve.sampling as sampling
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams, adjust_logits, filter_batch, filter_logits, sample, sample_rows
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 from nanoserve.tokenizer import IncrementalDetokenizer
 from tests.test_model import make_tiny_dir, ours_from_dir, prefill_logits
 

@@ -476,7 +476,7 @@ def test_smollm_int8_activations_in_either_layout_give_llama_servers_tokens(smol
     want = "tiles" if native().has_tiles() else "split"
     assert fast.blocks[0].qkv.layout == want and split.blocks[0].qkv.layout == "split"
 
-    from nanoserve.course import REPO
+    from nanocourse import REPO
 
     with open(REPO / "days" / "day60" / "day-60-france.csv") as f:
         row = next(r for r in csv.DictReader(f) if r["variant"] == "llama-server")
@@ -517,7 +517,7 @@ def test_the_server_serves_q4_1_and_health_says_so(smollm_dir):
     import httpx
     import openai
 
-    from nanoserve.course import served
+    from nanocourse import served
     from nanoserve.engine import build_engine
     from nanoserve.tokenizer import Tokenizer
 

@@ -16,9 +16,9 @@ import pytest
 
 import nanoserve.responses as responses
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import Engine
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 
 
 def held_bytes(obj) -> int:

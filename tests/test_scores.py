@@ -17,10 +17,10 @@ import torch
 import transformers
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import Engine
 from nanoserve.sampling import MAX_LOGPROBS, SamplingParams, logprobs_of
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 from tests.test_engine import tiny_engine, tiny_model  # noqa: F401 -- a fixture
 from tests.test_model import make_tiny_dir, ours_from_dir
 

@@ -18,11 +18,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import Engine, build_engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import boot_line, create_app
+from nanoserve.threads import ServerThread
 from nanoserve.warmup import check_no_cold_captures, warm_shapes
 from tests.test_engine import check_same_or_near_tie
 

@@ -336,8 +336,8 @@ def test_smollm_greedy_tokens_equal_without_drafts_through_the_server(smollm_eng
 
     import httpx
 
-    from nanoserve.course import ServerThread
     from nanoserve.serve import create_app
+    from nanoserve.threads import ServerThread
 
     answers = {}
     for spec, eng in smollm_engines.items():

@@ -31,10 +31,10 @@ def client():
     import openai
 
     from nanoserve.config import EngineConfig
-    from nanoserve.course import ServerThread
     from nanoserve.engine import build_engine
     from nanoserve.fetch import fetch_named_gguf
     from nanoserve.serve import create_app
+    from nanoserve.threads import ServerThread
 
     fetch_named_gguf("qwen2.5-coder-0.5b-instruct")
     eng = build_engine(

@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread
 from nanoserve.engine import build_engine
 from nanoserve.serve import create_app
+from nanoserve.threads import ServerThread
 
 NAME = "SmolLM2-135M-Instruct"
 PERSON = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanoserve.course import write_csv
+from nanocourse import write_csv
 from nanoserve.tokenizer import REPLACEMENT, Tokenizer
 from nanoserve.weights import resolve_model_dir
 

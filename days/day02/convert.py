@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import torch
 
-from nanoserve.course import write_csv
+from nanocourse import write_csv
 from nanoserve.weights import default_gguf_path, import_gguf
 
 HERE = Path(__file__).resolve().parent

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import write_csv
 from nanoserve.models import Llama, load_model, rms_norm
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import resolve_model_dir

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from nanoserve.course import write_csv
+from nanocourse import write_csv
 from nanoserve.models import LlamaConfig, rope_inv_freq
 from nanoserve.weights import resolve_model_dir
 

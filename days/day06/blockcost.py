@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.course import write_csv
+from nanocourse import write_csv
 from nanoserve.models import LlamaConfig
 from nanoserve.weights import resolve_model_dir
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import Llama, load_model
 from nanoserve.tokenizer import Tokenizer

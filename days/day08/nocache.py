@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nanocourse import write_csv
 from nanoserve.contiguous import ContiguousKVCache, NoCache, causal_attention
-from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import Llama, load_model
 from nanoserve.tokenizer import Tokenizer

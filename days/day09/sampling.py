@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.contiguous import NoCache
-from nanoserve.course import write_csv
 from nanoserve.generate import decode_loop
 from nanoserve.models import Llama, load_model
 from nanoserve.sampling import SamplingParams, filter_logits, sample

@@ -30,7 +30,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanoserve.course import write_csv
+from nanocourse import write_csv
 from nanoserve.generate import decode_loop
 from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams

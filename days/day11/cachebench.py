@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache, NoCache
-from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import Llama, load_model
 from nanoserve.tokenizer import Tokenizer

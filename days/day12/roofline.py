@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nanocourse import write_csv
 from nanoserve.bench import DECODE_PROMPT, cpu_line, decode_rate, read_bandwidth_gbs
-from nanoserve.course import write_csv
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import Llama, load_model
 from nanoserve.models import llama as nm

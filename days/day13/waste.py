@@ -47,8 +47,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanocourse import write_csv
 from nanoserve.blocks import BlockAllocator, BlockTable
-from nanoserve.course import write_csv
 
 HERE = Path(__file__).resolve().parent
 CSV_WASTE = HERE / "day-13-waste.csv"

@@ -25,9 +25,9 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks
-from nanoserve.course import write_csv
 
 HERE = Path(__file__).resolve().parent
 CSV_OPS = HERE / "day-14-ops.csv"

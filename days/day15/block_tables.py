@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator, BlockTable
-from nanoserve.course import write_csv
 from nanoserve.plan import plan_decode, plan_prefill, slot_window
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Sequence

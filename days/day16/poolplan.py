@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.course import write_csv
+from nanocourse import write_csv
 from nanoserve.models import LlamaConfig
 from nanoserve.pool import dtype_name, parse_bytes, plan_pool
 from nanoserve.weights import resolve_model_dir

@@ -32,11 +32,11 @@ from types import SimpleNamespace
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.models import LlamaConfig
 from nanoserve.plan import plan_decode, plan_prefill
 from nanoserve.sampling import SamplingParams

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import write_csv
 from nanoserve.models import LlamaConfig
 from nanoserve.plan import slot_window
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams

@@ -6,7 +6,7 @@ someone else (an eviction). The package's allocator (`nanoserve.blocks.BlockAllo
 a table tail first and hands out fresh blocks from the front of the free list, least recently
 freed first, so the head of a prefix that was used a moment ago is the last thing evicted.
 
-The workload: the tiny random-weight Llama (`nanoserve.course.tiny_llama`), 4-token blocks, 40
+The workload: the tiny random-weight Llama (`nanocourse.tiny_llama`), 4-token blocks, 40
 requests, each one of four shared 24-token prefixes (six blocks, the first more popular than
 the last) plus a few tokens of its own, arriving one every two engine steps, 6 greedy tokens
 each. It runs at several pool sizes under three allocators:
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_config, write_csv
 from nanoserve.bench import cpu_line, run_transformers_workload, throughput_workload
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import tiny_config, write_csv
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import Llama

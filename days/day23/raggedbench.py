@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.models import load_model
 from nanoserve.plan import plan_prefill
 from nanoserve.sampling import SamplingParams

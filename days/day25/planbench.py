@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
 from nanoserve.plan import check_plan_addressing, check_window_intact

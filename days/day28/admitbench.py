@@ -51,10 +51,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line, throughput_workload
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler, Sequence

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 

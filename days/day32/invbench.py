@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import REPO, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import REPO, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams

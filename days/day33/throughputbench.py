@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.bench import cpu_line, run_nanoserve_workload, run_transformers_workload, throughput_workload
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_model
 from nanoserve.pool import DEFAULT_CPU_BUDGET, plan_pool

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_llama, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
-from nanoserve.course import tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams

@@ -25,8 +25,8 @@ import httpx
 import openai
 import torch
 
+from nanocourse import ServerThread, tiny_llama, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app

@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from nanocourse import served, write_csv
 from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
-from nanoserve.course import served, write_csv
 from nanoserve.engine import Engine
 
 HERE = Path(__file__).resolve().parent

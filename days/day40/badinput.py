@@ -29,8 +29,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from nanocourse import ServerThread, tiny_config, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, tiny_config, write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams

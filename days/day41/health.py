@@ -33,8 +33,8 @@ import openai
 import torch
 from fastapi.responses import JSONResponse
 
+from nanocourse import ServerThread, tiny_llama, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.pool import plan_pool
 from nanoserve.serve import create_app, drain

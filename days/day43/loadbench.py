@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 import torch
 
+from nanocourse import ServerThread, tiny_llama, write_csv
 from nanoserve import loadgen
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.serve import create_app
 from nanoserve.tokenizer import Tokenizer

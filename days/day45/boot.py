@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from nanocourse import REPO, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import REPO, write_csv
 from nanoserve.engine import build_engine
 
 HERE = Path(__file__).resolve().parent

@@ -29,8 +29,8 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from nanocourse import ServerThread, tiny_llama, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app

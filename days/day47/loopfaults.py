@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from nanocourse import ServerThread, tiny_llama, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import ServerThread, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.serve import create_app
 

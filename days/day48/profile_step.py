@@ -33,8 +33,8 @@ from torch.profiler import record_function
 import nanoserve.cache
 import nanoserve.engine
 import nanoserve.models.llama
+from nanocourse import cpu_profile, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import cpu_profile, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.sampling import SamplingParams

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
+from nanocourse import cpu_profile, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import cpu_profile, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import Llama, LlamaConfig

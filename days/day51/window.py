@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_config, tiny_llama, write_csv
 from nanoserve.buckets import row_buckets, width_buckets
 from nanoserve.config import EngineConfig
-from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.inputs import PersistentInputs
 from nanoserve.plan import (

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.buckets import bucket_up, row_buckets, width_buckets
-from nanoserve.course import write_csv
 
 HERE = Path(__file__).resolve().parent
 MAX_BATCH, MAX_MODEL_LEN, STEPS, SEED = 256, 8192, 400, 52

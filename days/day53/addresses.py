@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_config, tiny_llama, write_csv
 from nanoserve.capture import HostGraph, check_addresses_stable
 from nanoserve.config import EngineConfig
-from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import Llama

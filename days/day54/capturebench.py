@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import tiny_config, tiny_llama, write_csv
 from nanoserve.config import EngineConfig
-from nanoserve.course import tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams

@@ -18,9 +18,9 @@ import argparse
 import time
 from pathlib import Path
 
+from nanocourse import write_csv
 from nanoserve.buckets import bucket_up, width_buckets
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import build_engine
 from nanoserve.sampling import SamplingParams
 

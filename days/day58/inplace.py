@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.course import write_csv
 from nanoserve.models import LlamaConfig
 from nanoserve.plan import slot_window
 
@@ -221,7 +221,7 @@ def label_attention(eng, label: str = "decode attention") -> None:
 def profile_step(eng, kind: str, top: int = 6) -> tuple[list[dict], int]:
     """One decode step under torch.profiler: its `top` ops by self CPU time (the label of
     `label_attention` counts as one), and how many aten ops ran."""
-    from nanoserve.course import cpu_profile
+    from nanocourse import cpu_profile
 
     switch(eng, kind)
     with cpu_profile() as prof:

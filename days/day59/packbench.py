@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import cpu_profile, write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.course import cpu_profile, write_csv
 from nanoserve.models import LlamaConfig, pack_linears
 from nanoserve.plan import slot_window
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import (
     DECODE_PROMPT,
     cpu_line,
@@ -41,7 +42,6 @@ from nanoserve.bench import (
     read_bandwidth_gbs,
 )
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes
 from nanoserve.tokenizer import Tokenizer

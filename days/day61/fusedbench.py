@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line, read_bandwidth_gbs
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes
 from nanoserve.sampling import SamplingParams

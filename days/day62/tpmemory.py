@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line, tp_generate
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import build_engine
 from nanoserve.models import model_weight_bytes
 from nanoserve.tp import pool_bytes

@@ -34,8 +34,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from nanocourse import write_csv
 from nanoserve import kquants
-from nanoserve.course import write_csv
 from nanoserve.fetch import fetch_named_gguf
 from nanoserve.gguf_file import _open_gguf
 from nanoserve.quant import dequantize_torch

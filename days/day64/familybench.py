@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache
-from nanoserve.course import write_csv
 from nanoserve.fetch import fetch_default_model, fetch_named_model
 from nanoserve.models import load_model, model_weight_bytes
 from nanoserve.tokenizer import Tokenizer

@@ -43,10 +43,10 @@ from unittest import mock
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockTable, WindowBlocks
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import Engine
 from nanoserve.fetch import fetch_named_model
 from nanoserve.generate import greedy_tokens

@@ -39,8 +39,8 @@ from unittest import mock
 
 import torch
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.course import write_csv
 from nanoserve.grammar import Grammars, Guided, apply_mask
 from nanoserve.sampling import SamplingParams, sample_rows
 from nanoserve.tokenizer import Tokenizer

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import jsonschema
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import build_engine
 from nanoserve.grammar import Guided
 from nanoserve.sampling import SamplingParams

@@ -42,9 +42,9 @@ from contextlib import redirect_stderr
 from io import StringIO
 from pathlib import Path
 
+from nanocourse import write_csv
 from nanoserve.bench import cpu_line, verify_costs
 from nanoserve.config import EngineConfig
-from nanoserve.course import write_csv
 from nanoserve.engine import build_engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.speculative import SpecStats
