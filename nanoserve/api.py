@@ -135,6 +135,9 @@ class _Common(BaseModel):
     guided_grammar: str | None = None  # llguidance's Lark
     user: str | None = None
     ignore_eos: bool = False  # extension
+    # vLLM's: the request's place under --scheduling-policy priority (lower first); refused as a
+    # 400 by a server that serves in arrival order, unless 0
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
     return_token_ids: bool = False  # extension: each choice carries the generated token ids
 
 

@@ -252,6 +252,14 @@ def build_parser() -> Parser:
         "finished, nobody joins in between (the first policy) (default: budget)",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: requests are served in arrival order; priority: by each request's `priority` "
+        "field (lower first), then arrival; the sequence preempted when the KV pool runs short "
+        "is the lowest priority's newest (vLLM's flag) (default: fcfs)",
+    )
+    p.add_argument(
         "--attention",
         choices=["auto", "native", "gather"],
         default="auto",
@@ -611,6 +619,7 @@ def cmd_serve(args) -> None:
             graph_budget=parse_bytes(args.graph_budget),
             watermark=args.watermark,
             schedule=args.schedule,
+            scheduling_policy=args.scheduling_policy,
             attention=args.attention,
             linear=args.linear,
             **weights,

@@ -37,6 +37,9 @@ class EngineConfig:
     # "prefill-first": a step is all prefill or all decode, prompts first (the earlier policy);
     # "static": a new batch only when the last has finished, nobody joins (the first policy)
     schedule: str = "budget"
+    # the order requests are served in (vLLM's --scheduling-policy): "fcfs" as they arrive;
+    # "priority" by each request's `priority` (lower first), then arrival (scheduler.py)
+    scheduling_policy: str = "fcfs"
     # how decode rows read the KV pools: "native" (the C++ kernel, in place), "gather" (a padded
     # copy per row and SDPA, days 18-24), "auto" (native on a CPU where it builds)
     attention: str = "auto"
@@ -101,6 +104,8 @@ class EngineConfig:
         for name in ("max_batch", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.persist_inputs and not self.bucket_decode:
             raise ValueError("persist_inputs needs bucket_decode: persistent buffers hold a bucketed batch")
         if self.capture_decode and not self.persist_inputs:

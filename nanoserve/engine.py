@@ -52,7 +52,7 @@ from nanoserve.grammar import Grammars
 from nanoserve.inputs import PersistentInputs
 from nanoserve.pool import plan_pool
 from nanoserve.runner import ModelRunner
-from nanoserve.sampling import SamplingParams, TokenLogprobs, logprobs_of, sample_rows
+from nanoserve.sampling import InvalidParam, SamplingParams, TokenLogprobs, logprobs_of, sample_rows
 from nanoserve.scheduler import Scheduler, Sequence
 from nanoserve.slots import SlotTable
 from nanoserve.speculative import NgramProposer, RowState, SpecStats, accepted_length
@@ -141,6 +141,7 @@ class Engine:
             config.max_num_batched_tokens,
             watermark=config.watermark,
             policy=config.schedule,
+            order=config.scheduling_policy,
         )
         slot_table = buckets = inputs = None
         if config.bucket_decode:
@@ -359,7 +360,14 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if params.priority and self.scheduler.order != "priority":
+            raise InvalidParam(
+                "priority",
+                f"priority {params.priority} needs priority scheduling (--scheduling-policy priority); "
+                "this server serves requests in arrival order",
+            )
         seq = Sequence(request_id, ids, params, self.config.block_size)
+        seq.priority = params.priority
         seq.max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
         seq.reuse_prefix = params.prompt_logprobs is None or len(ids) == 1
         if not params.greedy:

@@ -150,6 +150,7 @@ def sampling_params(
         stop=tuple(stop),
         seed=req.seed,
         ignore_eos=req.ignore_eos,
+        priority=req.priority,
         logprobs=wanted,
         prompt_logprobs=prompt_logprobs,
     )

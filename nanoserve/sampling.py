@@ -107,6 +107,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the sequence, as the end token does
     min_tokens: int = 0  # end tokens masked, stop strings ignored, until this many are generated
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) is kept
+    # not sampling, but the request's: its place under priority scheduling (lower runs first;
+    # vLLM's `priority`). Carried here so it travels with the rest of the request to the engine.
+    priority: int = 0
     guided: Guided | None = None  # structured output: a grammar the tokens must follow (grammar.py)
 
     def validate(self, vocab: int | None = None) -> SamplingParams:

@@ -44,12 +44,21 @@ budget policy the decode rows already hold their slot for this step when admissi
 their share of the reserve is the block of the token after it.
 `watermark=None` is the earlier policy, kept as a named variant: take whatever is free.
 
+The order (`order`, vLLM's `--scheduling-policy`): "fcfs" serves requests as they arrived;
+"priority" serves them by (priority, arrival), a lower `priority` first. The waiting queue is
+kept in that order (a preempted sequence goes back to its place in it, not to the front), decode
+rows take their tokens in it, and the sequence preempted when blocks run out is the last in it
+(the lowest priority, the newest among equals) rather than simply the newest. As in vLLM, a
+waiting request never preempts a running one to get in: priority decides who goes next and who
+gives way when the pool runs short, not who is evicted for a newcomer.
+
 Finished sequences leave at once (`finish`), returning their blocks. What the step computes is
 `plan.py`'s; what a token means (stop strings, text) is the engine's.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -70,6 +79,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt, then generated tokens
     num_computed: int = 0  # tokens whose K/V is in the cache
     arrival: int = 0  # order of admission to the scheduler: preemption picks the newest
+    priority: int = 0  # under the "priority" order, lower runs first (vLLM's convention)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -135,6 +145,7 @@ class Batch:
 
 class Scheduler:
     POLICIES = ("budget", "prefill-first", "static")
+    ORDERS = ("fcfs", "priority")
 
     def __init__(
         self,
@@ -143,10 +154,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         watermark: float | None = 0.05,
         policy: str = "budget",
+        order: str = "fcfs",
     ):
         if policy not in self.POLICIES:
             raise ValueError(f"the scheduling policy is one of {', '.join(self.POLICIES)}, not {policy!r}")
+        if order not in self.ORDERS:
+            raise ValueError(f"the request order is one of {', '.join(self.ORDERS)}, not {order!r}")
         self.policy = policy
+        self.order = order
         self.allocator = allocator
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -165,10 +180,23 @@ class Scheduler:
         """Queue seq; `front` puts it ahead of everything waiting (the engine's held samples of
         a prompt just computed, so they reach its cached blocks before anything evicts them)."""
         seq.arrival = next(self._arrivals)
-        if front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+        self._queue(seq, front)
+
+    def rank(self, seq: Sequence) -> tuple[int, int]:
+        """Where seq stands: earlier runs first, the last is preempted first."""
+        return (seq.priority, seq.arrival) if self.order == "priority" else (0, seq.arrival)
+
+    def _queue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: under "fcfs" at the front or the back; under "priority" at its
+        rank's place (`front`: ahead of everything of its own priority)."""
+        if self.order == "fcfs":
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        if front:  # ranked just ahead of the first of its priority, so the queue stays sorted
+            same = [s.arrival for s in self.waiting if s.priority == seq.priority]
+            seq.arrival = min(same, default=seq.arrival + 1) - 1
+        ranks = [self.rank(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_left(ranks, self.rank(seq)), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -275,7 +303,7 @@ class Scheduler:
         what the budget has left once every row's own token is counted, and is cut, or dropped,
         before anyone is preempted for its blocks."""
         batch = Batch()
-        order = sorted(self.running if seqs is None else seqs, key=lambda s: s.arrival)
+        order = sorted(self.running if seqs is None else seqs, key=self.rank)
         spare = None  # budget left for drafts, once each row that can run has its one token
         for seq in order:
             if seq not in self.running:
@@ -302,7 +330,7 @@ class Scheduler:
                     batch.decode.append(seq)
                     break
                 except NoFreeBlocks:
-                    victim = max(self.running, key=lambda s: s.arrival)
+                    victim = max(self.running, key=self.rank)
                     self.preempt(victim)
                     if victim is seq:
                         break
@@ -318,7 +346,10 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.order == "fcfs":
+            self.waiting.appendleft(seq)
+        else:  # back to its place: ahead of what came later at its priority, behind higher ones
+            self._queue(seq, front=False)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
