@@ -1,10 +1,20 @@
-"""A load generator for the server (day 43): N concurrent streaming clients over a fixed list of
-requests, and what a client sees: time to first token (TTFT), inter-token latency (ITL), time
-per output token (TPOT), throughput, and how many requests did not come back whole.
+"""A load generator for the server (day 43): streaming clients over a fixed list of requests, and
+what a client sees: time to first token (TTFT), inter-token latency (ITL), time per output token
+(TPOT), throughput, and how many requests did not come back whole.
+
+Two ways to send them. A closed loop (`run_load`): N clients, each sending its next request when
+its last answer is done, so a slow server slows the clients down with it. An open loop
+(`run_open_loop`): requests arrive as a Poisson process at a given rate (`poisson_arrivals`:
+exponential gaps from a seeded RNG, as vLLM's benchmark does with `--request-rate`), whether or
+not the server keeps up, so a server slower than the arrivals builds a queue and TTFT grows.
+`goodput` counts the requests per second that met a latency objective (DistServe's goodput;
+vLLM's `--goodput ttft:X tpot:Y`).
 
     reqs = chat_workload(64, max_tokens=32)
     report = asyncio.run(run_load("http://127.0.0.1:8000", reqs, concurrency=16))
     print(summarize(report))
+    report = asyncio.run(run_open_loop("http://127.0.0.1:8000", reqs, rate=4.0, seed=0))
+    print(summarize(report), goodput(report, ttft_ms=500, tpot_ms=50))
 
 Every request streams `/v1/chat/completions` with `ignore_eos` (so it must return exactly
 `max_tokens` tokens), `stream_options.include_usage` (the server's own count) and
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -63,6 +74,7 @@ class RequestResult:
     finish_reason: str | None = None
     usage_tokens: int | None = None
     error: str | None = None
+    sent_at: float | None = None  # open loop: seconds from the run's start to this request's send
 
     @property
     def output_tokens(self) -> int:
@@ -86,7 +98,8 @@ class RequestResult:
 class LoadReport:
     results: list[RequestResult]
     seconds: float
-    concurrency: int
+    concurrency: int  # closed loop: the clients; open loop: the most requests in flight at once
+    rate: float | None = None  # open loop: the arrival rate asked for, requests/s (None: closed)
 
 
 def chat_workload(n: int, max_tokens: int = 32, seed: int = 0, vary: bool = False) -> list[LoadRequest]:
@@ -246,6 +259,8 @@ async def run_load(
     previous one finishes)."""
     import httpx
 
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency is the number of clients, at least 1, got {concurrency!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[RequestResult | None] = [None] * len(reqs)
     todo = iter(range(len(reqs)))
@@ -260,6 +275,100 @@ async def run_load(
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - t0
     return LoadReport(results, seconds, concurrency)
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """The send times, in seconds from the start, of n requests arriving as a Poisson process at
+    `rate` requests per second: each gap is drawn from an exponential distribution of mean
+    1 / rate by `random.Random(seed)`, and the first request waits one gap too. `rate` inf sends
+    every request at 0 (vLLM's default, all at once)."""
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n is a number of requests, 0 or more, got {n!r}")
+    if not isinstance(rate, (int, float)) or math.isnan(rate) or rate <= 0:
+        raise ValueError(
+            f"rate is requests per second and must be more than 0 (inf: all at once), got {rate!r}"
+        )
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+async def run_open_loop(
+    url: str,
+    reqs: list[LoadRequest],
+    rate: float,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout: float = 600,
+    model: str | None = None,
+) -> LoadReport:
+    """Send request i at `poisson_arrivals(len(reqs), rate, seed)[i]` seconds from the start,
+    whether or not the earlier ones have been answered (an open loop: no client waits for the
+    server). Each request's TTFT is timed from its own send, so time spent in the server's queue
+    counts. The report's `concurrency` is the most requests that were in flight at once."""
+    import httpx
+
+    arrivals = poisson_arrivals(len(reqs), rate, seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    in_flight, peak = 0, 0
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def send(i: int) -> RequestResult:
+            nonlocal in_flight, peak
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            sent_at = time.perf_counter() - t0
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                res = await stream_one(client, url, reqs[i], headers, model)
+            finally:
+                in_flight -= 1
+            res.sent_at = sent_at
+            return res
+
+        results = await asyncio.gather(*(send(i) for i in range(len(reqs))))
+        seconds = time.perf_counter() - t0
+    return LoadReport(list(results), seconds, peak, rate=rate)
+
+
+def goodput(report: LoadReport, ttft_ms: float | None = None, tpot_ms: float | None = None) -> dict:
+    """Goodput under a service-level objective (DistServe's definition, vLLM's `--goodput`): the
+    requests that came back whole with TTFT <= `ttft_ms` and TPOT <= `tpot_ms` (each bound in
+    milliseconds; a bound left None is not checked, at least one is needed), per second of the
+    run, and as a share of all requests. A request of one token has no TPOT and meets that bound."""
+    bounds = {"ttft": ttft_ms, "tpot": tpot_ms}
+    if all(b is None for b in bounds.values()):
+        raise ValueError("goodput needs at least one bound: ttft_ms or tpot_ms")
+    for name, b in bounds.items():
+        if b is not None and (not isinstance(b, (int, float)) or math.isnan(b) or b <= 0):
+            raise ValueError(f"{name}_ms is a bound in milliseconds and must be more than 0, got {b!r}")
+    if not report.seconds > 0:
+        raise ValueError(f"the report's run took {report.seconds!r} s; goodput is per second of a run")
+
+    def good(r: RequestResult) -> bool:
+        if not r.complete or r.ttft is None:
+            return False
+        if ttft_ms is not None and 1000 * r.ttft > ttft_ms:
+            return False
+        tpot = r.tpot if r.tpot is not None else 0.0
+        return tpot_ms is None or 1000 * tpot <= tpot_ms
+
+    n = sum(good(r) for r in report.results)
+    total = len(report.results)
+    return {
+        "slo_ttft_ms": ttft_ms if ttft_ms is not None else "",
+        "slo_tpot_ms": tpot_ms if tpot_ms is not None else "",
+        "good": n,
+        "good_share": round(n / total, 3) if total else float("nan"),
+        "goodput_req_s": round(n / report.seconds, 2),
+    }
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -280,8 +389,10 @@ def summarize(report: LoadReport) -> dict:
     tpot = [r.tpot for r in rs if r.tpot is not None]
     tokens = sum(r.output_tokens for r in rs)
     ms = lambda xs, q: round(1000 * percentile(xs, q), 1)
+    arrivals = {} if report.rate is None else {"request_rate": report.rate}
     return {
         "requests": len(rs),
+        **arrivals,
         "concurrency": report.concurrency,
         "incomplete": sum(not r.complete for r in rs),
         "output_tokens": tokens,
