@@ -64,6 +64,7 @@ HISTORY: tuple[Choice, ...] = (
 # values no day pins as the engine's default but some day builds, and so may choose as an override
 # from that day on (the opt-in ways of days 52-54 and 68 among them)
 BUILT: dict[tuple[str, object], int] = {
+    ("scheduling_policy", "priority"): 31,  # fairness: who goes first, who gives way
     ("attention", "native"): 58,
     ("linear", "packed"): 59,
     ("decode_step", "fused"): 61,
