@@ -420,7 +420,9 @@ display(Image(filename=png))
 #    call returns `int(logits.argmax())`.
 # 2. **Top-k as greedy.** Check that `SamplingParams(temperature=1.0, top_k=1, seed=s)` draws the
 #    argmax for 20 different seeds, and that `top_p=p1` (the top token's own probability, `p1`
-#    above) does too. Then find the smallest top_p that keeps exactly 10 tokens.
+#    above) does too. Then find the smallest `top_p` that keeps exactly 10 tokens. Check:
+#    `filter_logits(logits, 0, top_p)` leaves 10 finite entries at your value and 9 at any
+#    value a little below it.
 # 3. **Reproduce the tables.** `python days/day09/sampling.py --out-dir /tmp/d9` and compare with
 #    the committed CSVs: `day-09-settings.csv` must be identical (the draws are seeded, 1,000 a
 #    setting), and so must `day-09-texts.csv`. With `--draws 10000`, the `top1_share` of

@@ -23,9 +23,9 @@
 # context. The first and the last two are about token ids and counts; the stop string is about
 # text, and text arrives in pieces that do not line up with characters, let alone with words.
 #
-# Two package pieces do the text side, and the engine chains them for every token:
-# `IncrementalDetokenizer.add` (Day 1) turns an id into the text it makes final, and
-# `StopStrings.feed` (`nanoserve/stopping.py`) decides how much of that text is safe to show.
+# Two package pieces do the text side, chained for every token: `IncrementalDetokenizer.add`
+# (Day 1) turns an id into the text it makes final, and `StopStrings.feed`
+# (`nanoserve/stopping.py`) decides how much of that text is safe to show.
 #
 # 1. the day's six cases, run once (`days/day10/streams.py`),
 # 2. the end-of-sequence token,
@@ -33,10 +33,9 @@
 # 4. stop strings: the idea in a few lines, against `StopStrings`, on a stop split across tokens,
 # 5. two stop checkers built wrong, and the gate that catches them,
 # 6. property tests (hypothesis) that find each planted bug by themselves,
-# 7. the table, the engine on the same request, and the diagram.
+# 7. the table, the same text without streaming, and the diagram.
 
 # %%
-import csv
 import sys
 import time
 
@@ -48,10 +47,8 @@ from hypothesis import Verbosity, find, given, settings
 from hypothesis import strategies as st
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
-from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
-from nanoserve.generate import decode_loop
+from nanocourse import REPO, as_text, diagram_path, read_csv
+from nanoserve.generate import decode_loop, greedy_tokens
 from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.stopping import StopStrings, first_stop
@@ -72,7 +69,7 @@ print(f"loaded in {time.perf_counter() - t0:.1f} s")
 #
 # Each case of the day's script is a chat prompt, its stop strings and a token budget. The
 # tokens come from the package's eager greedy loop (`decode_loop`); every token goes through the
-# detokenizer and the stop checker in the engine's order. The rest of the notebook takes these
+# detokenizer and then the stop checker, the end token checked first. The rest of the notebook takes these
 # six streams apart.
 
 # %%
@@ -91,8 +88,8 @@ assert [s.finish for s in results] == ["eos", "stop", "stop", "stop", "length", 
 #
 # The model ends its turn by emitting `<|im_end|>`, id 2. `Tokenizer.eos_ids` collects every end
 # id that `generation_config.json`, `config.json` and `tokenizer_config.json` name; for SmolLM2
-# the three agree on one. The loop yields the id and returns; the engine finishes the request
-# with `finish_reason="stop"` and never hands the id to the detokenizer, so no text comes of it.
+# the three agree on one. The loop yields the id and returns; the script ends the case there
+# and never hands the id to the detokenizer, so no text comes of it.
 # (With special tokens skipped it would decode to nothing anyway.)
 
 # %%
@@ -433,23 +430,23 @@ cols = [c for c in rows[0] if c != "text"]
 print(" | ".join(cols))
 for r in rows:
     print(" | ".join(str(r[c]) for c in cols))
-with open(streams.CSV) as f:
-    assert [{k: str(v) for k, v in r.items()} for r in rows] == list(csv.DictReader(f)), "rerun streams.py"
+assert as_text(rows) == read_csv(streams.CSV), "rerun streams.py"
 
 # %% [markdown]
-# The engine runs the same chain (`Engine._append`: the end token first, then the detokenizer,
-# then the stop strings). Two of the cases through `Engine.generate`, on its paged cache and its
-# scheduler, give the same tokens, text and finish reason (the OpenAI name `stop` covers both an
-# end token and a stop string):
+# Streaming must not change what the user ends up with. Without it, a request would run its
+# whole budget with `greedy_tokens` (the same loop, stopping only at the end token), decode every
+# id once, and cut the text at the first stop string. Each of the six cases gives the streamed
+# text exactly, and the streamed ids are the start of the unstreamed ones:
 
 # %%
-engine = Engine(model, tok, EngineConfig(max_batch=1))
-for s in (sea, by_name["chinese"]):
-    params = SamplingParams(max_tokens=s.case.max_tokens, stop=s.case.stops)
-    out = engine.generate([[{"role": "user", "content": s.case.prompt}]], params, use_tqdm=False)[0]
-    print(f"{s.case.name}: engine {out.finish_reason}, {len(out.token_ids)} tokens, {out.text!r}")
-    assert out.token_ids == s.ids and out.text == s.text
-    assert out.finish_reason == {"stop": "stop", "eos": "stop", "length": "length"}[s.finish]
+for s in results:
+    prompt = tok.encode_chat([{"role": "user", "content": s.case.prompt}])
+    ids = greedy_tokens(model, prompt, s.case.max_tokens, tok.eos_ids)
+    whole = tok.decode(ids)
+    cut = first_stop(whole, s.case.stops)
+    text = whole if cut is None else whole[:cut]
+    print(f"{s.case.name:14s} {len(ids):2d} ids decoded at once, cut at {cut}: {text == s.text}")
+    assert ids[: len(s.ids)] == s.ids and text == s.text
 
 # %% [markdown]
 # ## 8. The diagram
@@ -522,9 +519,12 @@ ax.legend(loc="lower right", fontsize=8)
 ax = axes[1, 1]
 colors = {"eos": "tab:purple", "stop": "tab:orange", "length": "tab:gray"}
 for y, (r, s) in enumerate(zip(rows, results)):
-    shown = len(s.steps) - r["silent_steps"]
-    ax.barh(y, shown, color=colors[r["finish"]])
-    ax.barh(y, r["silent_steps"], left=shown, color=colors[r["finish"]], alpha=0.35, hatch="//")
+    for i, st_ in enumerate(s.steps):  # each token at its place: solid if it showed text, hatched if not
+        if st_.released == "":
+            ax.barh(y, 1, left=i, facecolor="w", edgecolor=colors[r["finish"]], hatch="////", lw=0.8)
+        else:
+            ax.barh(y, 1, left=i, color=colors[r["finish"]], edgecolor="white", linewidth=0.5)
+    assert sum(st_.released == "" for st_ in s.steps) == r["silent_steps"]
     if r["finish"] == "eos":
         ax.barh(y, 1, left=len(s.steps), color="k")
     ax.text(
@@ -532,14 +532,14 @@ for y, (r, s) in enumerate(zip(rows, results)):
     )
 handles = [Patch(color=c, label=f"finish: {name}") for name, c in colors.items()]
 handles.append(
-    Patch(facecolor="w", edgecolor="k", hatch="//", label="tokens after which nothing new was shown")
+    Patch(facecolor="w", edgecolor="k", hatch="////", label="tokens after which nothing new was shown")
 )
 handles.append(Patch(color="k", label="the end token (never decoded)"))
 ax.legend(handles=handles, loc="upper right", fontsize=8)
 ax.set_yticks(list(ys), names)
 ax.invert_yaxis()
 ax.set_xlim(0, 58)
-ax.set_xlabel("generated tokens (bars in generation order)")
+ax.set_xlabel("generated tokens, in generation order (one cell each)")
 ax.set_title("How each case ended")
 
 fig.suptitle("Day 10: stopping and streaming detokenization (SmolLM2-135M-Instruct, greedy)", fontsize=14)
@@ -562,7 +562,8 @@ display(Image(filename=png))
 #   like: with `the shore` that is 8 characters on every step, where ours held 3 at most and
 #   usually none. `include_stop_str_in_output` keeps the stop string in the text. The end token
 #   and `stop_token_ids` are decided on ids in the scheduler (`check_stop`,
-#   `vllm/v1/core/sched/utils.py`), the same split as the first branch of our `Engine._append`.
+#   `vllm/v1/core/sched/utils.py`), the same split as in `streams.stream_case`, where the end
+#   id is checked before any text is made.
 # * **llama.cpp**'s server keeps stop words in `task->params.antiprompt` and checks them in
 #   `server_slot::find_stopping_strings` (`tools/server/server-context.cpp`), in two modes: a
 #   full match, searched from one stop word plus the last token's length before the end, and a

@@ -465,7 +465,7 @@ ax.fill_between(
 ax.set_xlabel("positions filled")
 ax.set_ylabel("MB (fp32)")
 ax.set_title(f"K/V memory: {per_token:,} bytes a position, 30 layers")
-ax.legend(fontsize=8, loc="upper left")
+ax.legend(fontsize=8, loc="lower right")
 
 fig.suptitle(
     "Day 11: a contiguous K/V cache against re-running the sequence (SmolLM2-135M, fp32, CPU)", fontsize=14

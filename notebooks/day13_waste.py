@@ -473,9 +473,6 @@ display(Image(filename=png))
 #    block, 7.4 in the committed table.
 # 3. **Give the contiguous way a better guess.** Reserve `prompt + 256` instead of
 #    `prompt + 512` (outputs over 256 would then have to be refused or moved). Count, over
-#    the 10,000 draws, how many requests would overflow; the lengths table says about a quarter
-#    of the outputs pass 250.
-# 4. **Another workload.** Run `python days/day13/waste.py --seed 7 --out-waste /tmp/w.csv
-#    --out-lengths /tmp/l.csv --out-sim /tmp/s.csv` and compare with the committed CSVs. If the
-#    draws are enough, the waste percentages move by tenths of a point and the simulation's by
-#    less than one.
+#    `waste.draw_requests(10_000)`, the requests whose `output` passes 256. Check: the share lies
+#    between 10% and 25%, because the lengths table puts the outputs' 0.75 quantile at 250 and
+#    their 0.9 quantile at 459.

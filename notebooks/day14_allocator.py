@@ -19,16 +19,18 @@
 # Day 13 found that a pool of 16-token blocks wastes at most 15 slots a request, against
 # hundreds or thousands for a contiguous reservation. The price is bookkeeping. A sequence's
 # K/V is now spread over blocks that can sit anywhere in the pool, and something has to know,
-# for every block, whether it is free, and if it is not, how many sequences hold it. Holding
-# is plural because two sequences with the same prompt prefix can read the same blocks (Day 19
-# builds that out; today it only shows up as a reference count of 2).
+# for every block, whether it is free, and if it is not, how many sequences hold it. It is a
+# count and not a yes or no because Day 19 will let sequences with the same prompt prefix read
+# the same blocks (prefix sharing, which Day 19 builds); today every sequence holds its own
+# blocks, and every count is 0 or 1.
 #
 # `nanoserve.blocks.BlockAllocator` keeps those books with two structures: a free list, in the
 # order blocks are handed out, and a reference count per block. It hands out whole blocks only.
 # Which slot inside a block a token lands in is tomorrow's `BlockTable`, and how many blocks fit
 # in memory is Day 16's `KVPoolPlan`.
 #
-# 1. a free list and reference counts in a dozen lines, against the package's allocator,
+# 1. a free list and reference counts in a dozen lines, against the package's allocator (its
+#    prefix cache off all day: that is Day 19's),
 # 2. the package driven by hand through a short story (`days/day14/allocator.py`), the books
 #    printed after every step,
 # 3. the books' four invariants, written as a check,
@@ -40,7 +42,6 @@
 # 7. the diagram.
 
 # %%
-import csv
 import sys
 from collections import Counter
 
@@ -53,23 +54,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, read_csv, show
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks
 
 sys.path.insert(0, str(REPO / "days" / "day14"))
 import allocator as day  # the day's script: the notebook runs its story and reads back its CSVs
-
-
-def read_csv(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def show(rows, columns):
-    print(" | ".join(columns))
-    for r in rows:
-        print(" | ".join(str(r[c]) for c in columns))
 
 
 def books(alloc):
@@ -84,7 +74,8 @@ def books(alloc):
 # The free list is every block nobody holds, in the order they will be handed out. A new
 # sequence takes blocks from the front. A finished one gives its blocks back at the end, last
 # block first, so that the blocks freed longest ago are reused first and the ones at the start
-# of a prompt, the ones other sequences may want to share later, are reused last. A reference
+# of a prompt, the ones that (from Day 19 on) other sequences may want to share, are reused
+# last. A reference
 # count per block says how many sequences hold it. A block goes back on the free list when its
 # count drops to 0, not before.
 
@@ -111,7 +102,7 @@ class TinyAllocator:
 
 
 # %% [markdown]
-# The package's allocator without its prefix cache should hand out exactly the same blocks in
+# The package's allocator, its prefix cache off, should hand out exactly the same blocks in
 # the same order. Drive both through three sequences (blocks of 4 tokens): arrive, grow, finish
 # in a mixed order, and compare their books after every step.
 
@@ -139,37 +130,34 @@ for name, what, n in steps:
 # `x` finished while holding blocks 0, 1, 2 and 5, and they went back in the order 5, 2, 1, 0.
 # When `z` arrived it took the front of the list, 6, 7 and 5, not `x`'s first blocks. The
 # package agrees with the dozen lines at every step, its free list and every reference count.
-# What it adds on top is the prefix cache: a full block is registered under a hash of
-# everything up to and including it, and a later prompt that starts the same way is given the
-# same block, with its reference count raised.
+# The package's allocator also carries a prefix cache, which stays off today: Day 19 builds
+# prefix sharing on it, and that is where a reference count first goes above 1.
 #
 # ## 2. The package, driven by hand
 #
-# `day.hand_ops` runs a short story on a `BlockAllocator` of 10 blocks of 4 tokens, prefix
-# cache on. `c` and `e` start with the same 8 tokens as `a`, `b` grows by a decode step's worth,
-# and `d` asks for more than is free. After every step the row shows the table's blocks, the
-# prompt tokens found in the cache, the counts, every block's reference count (block 0 first),
-# and the free list from the front. The notebook reruns the story and compares it with the
-# committed `day-14-ops.csv`:
+# `day.hand_ops` runs a short story on a `BlockAllocator` of 10 blocks of 4 tokens: five
+# sequences arrive and finish in a mixed order, `b` grows by a decode step's worth, and `d`
+# asks for more than is free. After every step the row shows the table's blocks, the counts,
+# every block's reference count (block 0 first), and the free list from the front. The notebook
+# reruns the story and compares it with the committed `day-14-ops.csv`:
 
 # %%
 ops = day.hand_ops()
-assert [{k: str(v) for k, v in r.items()} for r in ops] == read_csv(day.CSV_OPS), "rerun allocator.py"
-show(ops, ["step", "what", "blocks", "cached", "num_free", "num_used", "refs", "free_list"])
+assert as_text(ops) == read_csv(day.CSV_OPS), "rerun allocator.py"
+show(ops, ["step", "what", "blocks", "num_free", "num_used", "refs", "free_list"])
 
 # %% [markdown]
 # Read down the table:
 #
-# * Step 3: `c` finds `a`'s first two blocks in the prefix cache (8 tokens cached), so blocks 0
-#   and 1 now have reference count 2. Only `c`'s last block, 5, is new.
-# * Step 5: when `a` finishes, only block 2 goes back on the free list. Blocks 0 and 1 drop to
-#   1 and stay off it: `c` still reads them.
+# * Steps 1 to 4: blocks come off the front of the free list in order, 0 to 8; `b`'s third
+#   block, 8, lands after `c`'s, so a table's blocks need not be next to each other.
+# * Step 5: `a` finishes and its blocks go back tail first, 2, 1, 0, behind block 9.
 # * Step 6: `d` needs 5 blocks and 4 are free. It is refused with `NoFreeBlocks`, and the row
 #   is unchanged: an allocation gets all its blocks or none.
-# * Step 7: `c` finishes and its blocks go back tail first, 5, 1, 0, behind 7, 8, 9 and 2.
-# * Step 8: `d`, admitted now, takes the five blocks at the front. Blocks 1 and 0 are last in
-#   line, so they still hold `a`'s prefix when `e` arrives at step 10. `e` gets both back from
-#   the free list (8 tokens cached, reference count 0 to 1), and one fresh block, 6.
+# * Step 7: `c` finishes, and its blocks go back tail first too, 7, 6, 5.
+# * Step 8: `d`, admitted now, takes the five blocks at the front: 9, then `a`'s 2, 1 and 0,
+#   then `c`'s last block, 7. `c`'s first blocks, 6 and 5, are the last in line.
+# * Step 10: `e` takes 6, 5 and 8, the front again.
 # * Step 12: everything is free again, and the free list now records the order things happened
 #   in.
 #
@@ -256,10 +244,8 @@ for label, breakage in breakages.items():
 # draws lists of up to 20 operations, runs each list on a fresh allocator of 8 blocks of 4
 # tokens, and checks the invariants after every operation. There are three operations:
 #
-# * `("arrive", base, tail)`: a prompt of one of three bases (`a`'s first 8 tokens, another
-#   4-token block, or nothing) followed by `tail` fresh tokens. It is allocated with the
-#   prefix cache on and its full blocks registered, so prompts on the same base share blocks.
-#   A refused allocation must leave the books exactly as they were.
+# * `("arrive", n)`: a prompt of `n` tokens (1 to 17, so 1 to 5 blocks). A refused allocation
+#   must leave the books exactly as they were.
 # * `("grow", i, n)`: live table `i` (modulo how many there are) grows by `n` tokens.
 # * `("free", i)`: table `i` among all tables ever made is freed. That includes tables already
 #   freed: a sequence can be freed twice, once when it finishes and again when an abort for it
@@ -271,35 +257,32 @@ for label, breakage in breakages.items():
 # a failure, which reruns the shrunk example many more times.
 
 # %%
-BASES = [day.A[:8], [600, 601, 602, 603], []]
 MAX_OPS = 20
 PHASES = (Phase.generate, Phase.shrink)  # no explain phase: it would rerun the shrunk example many times
 operation = st.one_of(
-    st.tuples(st.just("arrive"), st.integers(0, 2), st.integers(1, 9)),
+    st.tuples(st.just("arrive"), st.integers(1, 17)),
     st.tuples(st.just("grow"), st.integers(0, 20), st.integers(1, 6)),
     st.tuples(st.just("free"), st.integers(0, 20)),
 )
 
 
 def run_ops(cls, ops, seen: Counter) -> None:
-    """Apply ops to a fresh cls(8, 4), checking the books after each; count what happened."""
-    alloc = cls(8, 4)
+    """Apply ops to a fresh cls(8, 4) (no prefix cache), checking the books after each; count
+    what happened."""
+    alloc = cls(8, 4, enable_prefix_caching=False)
     made, live = [], []
     for kind, *args in ops:
         if kind == "arrive":
-            base, tail = args
-            tokens = BASES[base] + [1000 + 16 * len(made) + k for k in range(tail)]
+            tokens = [1000 + 16 * len(made) + k for k in range(args[0])]
             table, before = BlockTable(4), books(alloc)
             try:
-                cached = alloc.allocate_prompt(table, tokens)
+                alloc.allocate_prompt(table, tokens)
             except NoFreeBlocks:
                 assert books(alloc) == before and table.blocks == [], "a refusal changed the books"
                 seen["refused"] += 1
                 continue
-            alloc.cache_full_blocks(table, tokens)
             made.append(table)
             live.append(table)
-            seen["shared a cached prefix"] += cached > 0
         elif kind == "grow" and live:
             table = live[args[0] % len(live)]
             try:
@@ -338,13 +321,12 @@ def property_test(cls, max_examples: int = 200):
 failure, examples, seen = property_test(BlockAllocator)
 print(f"BlockAllocator: {examples} examples, failure: {failure}")
 print(dict(seen))
-assert failure is None and seen["freed again"] > 0 and seen["shared a cached prefix"] > 0
+assert failure is None and seen["freed again"] > 0 and seen["refused"] > 0
 
 # %% [markdown]
-# 200 lists, 1,198 operations, every one checked. Among them, prompts found a cached prefix 82
-# times, allocations or growths were refused 75 times, all 8 blocks were in use at once at
-# some point, and 197 frees hit a table that was already free, each of which released nothing,
-# as it should.
+# 200 lists, 1,247 operations, every one checked. Among them, allocations or growths were
+# refused 67 times, all 8 blocks were in use at once at some point, and 118 frees hit a table
+# that was already free, each of which released nothing, as it should.
 #
 # ## 5. A free that goes through twice
 #
@@ -367,11 +349,11 @@ failure, examples, _ = property_test(DoubleFree)
 print(f"DoubleFree: failed after {examples} examples (shrinking included)")
 print(f"caught: {error}")
 print(f"smallest failing operations: {smallest}")
-assert smallest == [("arrive", 0, 1), ("free", 0), ("free", 0)]
+assert smallest == [("arrive", 1), ("free", 0), ("free", 0)]
 
 # %% [markdown]
-# Hypothesis found a failing list and shrank it to three operations: one prompt (9 tokens,
-# 3 blocks), freed twice. The second free takes every count of the prompt's blocks to -1.
+# Hypothesis found a failing list and shrank it to three operations: one prompt (1 token,
+# 1 block), freed twice. The second free takes the block's count to -1.
 #
 # The real damage comes when the block has a new owner by the time of the second free. A pool
 # of 3 blocks: `a` takes all three and finishes, `b` gets the same three blocks, and a late
@@ -412,11 +394,11 @@ assert set(b.blocks) & set(c.blocks) == {1, 2}
 #
 # The allocator does three things to its free list: it takes the block at the front (a fresh
 # block), it appends a freed block at the end, and it takes out a block from anywhere in the
-# list. The last happens when a prompt claims a cached block that is still free, as `e` did at
-# step 10. A Python list does the first by shifting every element and the third by searching.
-# An `OrderedDict` does all three in constant time. `day.freelist_times` times each operation
-# on free lists of increasing size, both ways. A live run first, at two sizes (this run's
-# times, on a shared machine):
+# list. The last is for prefix sharing (Day 19): a prompt will claim a cached block that still
+# sits free, wherever it is in the list. A Python list does the first by shifting every element
+# and the third by searching. An `OrderedDict` does all three in constant time.
+# `day.freelist_times` times each operation on free lists of increasing size, both ways. A live
+# run first, at two sizes (this run's times, on a shared machine):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -440,23 +422,22 @@ for n in day.SIZES:
 
 # %% [markdown]
 # In that run, on a machine shared with other jobs, taking a block out of the middle of a list
-# cost 10.485 µs at 1,000 blocks and 1,405.783 µs at 100,000, while the ordered dict took
-# 0.256 to 0.312 µs at every size. Taking the front of a list grows with its length too, from
-# 0.223 to 43.462 µs. Appending is the one thing a list does faster (0.075 against 0.198 µs at
+# cost 3.022 µs at 1,000 blocks and 2,271.962 µs at 100,000, while the ordered dict took
+# 0.068 to 0.243 µs at every size. Taking the front of a list grows with its length too, from
+# 0.128 to 7.073 µs. Appending is the one thing a list does faster (0.025 against 0.052 µs at
 # 1,000 blocks). A CPU pool of a few hundred blocks would not notice the difference, but a GPU
-# pool has tens of thousands of blocks, and a step may claim many cached blocks.
+# pool has tens of thousands of blocks, and from Day 19 on a step may claim many cached blocks.
 #
 # ## 7. The diagram
 
 # %%
-# replay the story, keeping who holds what and which blocks carry a cached prefix at each step
-owners, cached_at = [], []
+# replay the story, keeping who holds what at each step
+owners = []
 
 
 def keep(alloc, live):
     holding = lambda b: " ".join(n for n, t in sorted(live.items()) if b in t.blocks)  # noqa: E731
     owners.append([holding(b) for b in range(day.NUM_BLOCKS)])
-    cached_at.append(set(alloc._hash_of))
 
 
 day.hand_ops(check=keep)
@@ -464,29 +445,30 @@ refs = np.array([[int(x) for x in r["refs"].split()] for r in ops])  # (steps, b
 fig, axes = plt.subplots(2, 2, figsize=(15, 11))
 
 ax = axes[0, 0]
-ax.imshow(refs, cmap=matplotlib.colors.ListedColormap(["whitesmoke", "tab:blue", "navy"]), vmin=0, vmax=2,
+ax.imshow(refs, cmap=matplotlib.colors.ListedColormap(["whitesmoke", "tab:blue"]), vmin=0, vmax=1,
           aspect="auto")  # fmt: skip
 for i, row in enumerate(owners):
     for b, who in enumerate(row):
-        ax.text(b, i, who or ("#" if b in cached_at[i] else ""), ha="center", va="center",
-                color="white" if who else "gray", fontsize=9)  # fmt: skip
+        ax.text(b, i, who, ha="center", va="center", color="white", fontsize=9)
 ax.set_xticks(range(day.NUM_BLOCKS))
 ax.set_yticks(range(len(ops)), [f"{r['step']}. {r['what']}" for r in ops], fontsize=8)
 ax.set_xlabel("block")
-ax.set_title("Who holds each block (light: free, blue: 1 holder, navy: 2)\n# = free, holding a cached prefix")
+ax.set_title("Who holds each block (light: free, blue: reference count 1)")
 
 ax = axes[0, 1]
+before = set()
 for i, r in enumerate(ops):
     free = [int(x) for x in r["free_list"].split()] if r["free_list"] != "-" else []
     for pos, blk in enumerate(free):
-        color = "tab:orange" if blk in cached_at[i] else "lightgray"
+        color = "tab:orange" if i and blk not in before else "lightgray"
         ax.add_patch(plt.Rectangle((pos, i - 0.4), 0.9, 0.8, color=color))
         ax.text(pos + 0.45, i, str(blk), ha="center", va="center", fontsize=9)
+    before = set(free)
 ax.set_xlim(0, day.NUM_BLOCKS)
 ax.set_ylim(len(ops) - 0.5, -0.5)
 ax.set_yticks(range(len(ops)), [f"{r['step']}. {r['what']}" for r in ops], fontsize=8)
 ax.set_xlabel("position on the free list (0 = handed out next)")
-ax.set_title("The free list after each step (orange: holds a cached prefix)")
+ax.set_title("The free list after each step (orange: freed at that step)")
 
 ax = axes[1, 0]
 ref_rows = np.array([r for _, r, _ in replay])
@@ -563,7 +545,4 @@ display(Image(filename=png))
 #    committed CSVs stay as they are). In `/tmp/f.csv` the list's `take_middle_us` must grow
 #    with the blocks, by tens of times from 10,000 to 1,000,000, since each removal searches
 #    the list; the ordered dict's must stay flat, under a microsecond at every size, as it does
-#    in the committed CSV (0.256 to 0.312 µs).
-# 4. **Find the bug without derandomize.** Set `derandomize=False` in `property_test` and run
-#    `property_test(DoubleFree)` a few times. The smallest failing list must come out the same
-#    each time, even though the examples that find it differ.
+#    in the committed CSV (0.068 to 0.243 µs).

@@ -325,9 +325,9 @@ def draw_pool(ax, formula, title):
         color = "whitesmoke" if not who else colors[who[0][0]] if len(who) == 1 else "red"
         ax.add_patch(plt.Rectangle((o, b), 0.95, 0.9, color=color, alpha=0.85 if who else 1))
         label = " ".join(f"{n}{p}" for n, p in who) or "free"
-        ax.text(o + 0.47, b + 0.35, label, ha="center", va="center", fontsize=8 if len(who) < 3 else 6,
+        ax.text(o + 0.47, b + 0.33, label, ha="center", va="center", fontsize=10 if len(who) < 3 else 8,
                 color="white" if who else "gray")  # fmt: skip
-        ax.text(o + 0.47, b + 0.72, f"slot {slot}", ha="center", va="center", fontsize=6, color="black")
+        ax.text(o + 0.47, b + 0.7, f"slot {slot}", ha="center", va="center", fontsize=8, color="black")
     ax.set_xlim(0, day.BLOCK)
     ax.set_ylim(day.NUM_BLOCKS, 0)
     ax.set_xticks([k + 0.47 for k in range(day.BLOCK)], [f"offset {k}" for k in range(day.BLOCK)])
@@ -438,12 +438,10 @@ display(Image(filename=png))
 #    `pytest tests/test_blocks.py -k slot`: the assert against `slot_by_hand` and
 #    `test_slot_arithmetic_worked_examples` must both fail. Undo it.
 # 2. **A fifth wrong formula.** Add `"block * block_size + position": lambda t, p, bs: t[p // bs]
-#    * bs + p` to `day.FORMULAS` and rerun section 4. Predict first which sequences collide: it
-#    is right for positions 0-3 only.
-# 3. **Bigger blocks.** Set `day.BLOCK = 8` and `day.NUM_BLOCKS = 8` (64 slots) before
-#    section 2 and rerun it. Before you look, predict how many slots are held but not written
-#    (`held - 41`): each sequence's last block is now up to 7 slots short.
-# 4. **Read the padding.** Row 1 of the decode window (B, 10 tokens) is padded past its
+#    * bs + p` to `day.FORMULAS` and rerun section 4. Predict first which sequences collide.
+#    Check: for every sequence's table it gives the right formula's slot at positions 0-3 and
+#    another slot at every later position (compare the two lambdas position by position).
+# 3. **Read the padding.** Row 1 of the decode window (B, 10 tokens) is padded past its
 #    context with block 0's slots, which hold A's first four positions. Set B's context length
 #    to the full width with `dataclasses.replace(decode, context_lens=torch.tensor([13, 16, 12]))`
 #    and run `check_plan_addressing` on it: it must fail, saying row 1 sits at position 9 but

@@ -38,7 +38,6 @@
 # 7. the diagram.
 
 # %%
-import csv
 import sys
 from types import SimpleNamespace
 
@@ -49,11 +48,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, engine_as_of, read_csv, show
 from nanoserve.blocks import BlockAllocator, BlockTable
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.config import EngineConfig
-from nanoserve.engine import Engine
 from nanoserve.models import Llama, LlamaConfig
 from nanoserve.pool import DEFAULT_CPU_BUDGET, KVPoolPlan, parse_bytes, plan_pool
 from nanoserve.weights import fetch_default_model
@@ -67,17 +64,6 @@ print(
     f"SmolLM2-135M: {cfg.num_layers} layers, {cfg.num_heads} query heads, {cfg.num_kv_heads} K/V heads, "
     f"head_dim {cfg.head_dim}, context {cfg.max_position_embeddings:,} tokens"
 )
-
-
-def read_csv(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def show(rows, columns):
-    print(" | ".join(columns))
-    for row in rows:
-        print(" | ".join(str(row[c]) for c in columns))
 
 
 # %% [markdown]
@@ -115,8 +101,7 @@ print("by hand == plan.bytes_per_slot and plan.bytes_per_block, in fp32 and bf16
 
 # %%
 blocks = poolplan.block_table(cfg)
-as_text = [{k: str(v) for k, v in r.items()} for r in blocks]
-assert as_text == read_csv(poolplan.CSV_BLOCK), "rerun poolplan.py"
+assert as_text(blocks) == read_csv(poolplan.CSV_BLOCK), "rerun poolplan.py"
 show(blocks, list(blocks[0]))
 
 # %% [markdown]
@@ -237,8 +222,7 @@ del cache
 
 # %%
 budgets = poolplan.budget_table(cfg)
-as_text = [{k: str(v) for k, v in r.items()} for r in budgets]
-assert as_text == read_csv(poolplan.CSV_BUDGETS), "rerun poolplan.py"
+assert as_text(budgets) == read_csv(poolplan.CSV_BUDGETS), "rerun poolplan.py"
 show(budgets, ["budget", "dtype", "num_blocks", "tokens", "pool_mb", "requests_512", "requests_2048",
                "requests_8192", "fits_full_context"])  # fmt: skip
 
@@ -258,14 +242,16 @@ show(budgets, ["budget", "dtype", "num_blocks", "tokens", "pool_mb", "requests_5
 #
 # An engine is built for a `max_model_len` (by default, the model's own context), and accepts
 # any request whose prompt and output fit in it. A pool smaller than one sequence of that
-# length would accept requests it could never finish, even with nothing else running.
-# `Engine` refuses to start instead, and says what to change.
+# length would accept requests it could never finish, even with nothing else running, so the
+# engine refuses to start instead, and says what to change. The engine is `Engine`, the API that
+# day 34 builds; this section only constructs it, as it stood on day 16
+# (`engine_as_of(16, ...)`), to see the check it makes on the plan at start-up.
 #
 # Nothing in this section runs the model; the engine reads only its shape and dtype before it
 # plans the pool. So the model here is SmolLM2 built on PyTorch's `meta` device: every
 # parameter with its real shape and dtype and no storage, made in a fraction of a second
-# instead of loading 538 MB. (`linear="plain"` keeps the engine from trying to repack weights
-# that are not there.)
+# instead of loading 538 MB. (As of day 16 the engine keeps the model's own linears, so nothing
+# tries to repack weights that are not there.)
 
 # %%
 model = Llama(cfg, device="meta")  # SmolLM2's shapes, no storage
@@ -275,7 +261,7 @@ full = cfg.max_position_embeddings * per_token
 print(f"weights {weights / 1e6:.1f} MB; K/V of one sequence at 8,192 tokens {full / 1e6:.1f} MB", end="")
 print(f" ({full / weights:.2f} of the weights); the 512 MiB pool {plan32.pool_bytes / 1e6:.1f} MB")
 try:
-    Engine(model, None, EngineConfig(kv_budget="64MiB", linear="plain"))
+    engine_as_of(16, model, None, kv_budget="64MiB")
 except ValueError as e:
     print("kv_budget='64MiB', max_model_len the model's 8192:\n   refused:", e)
 else:
@@ -287,14 +273,14 @@ else:
 # less, and the pool holds 8,176 tokens and the engine refuses again.
 
 # %%
-eng = Engine(model, None, EngineConfig(kv_budget="64MiB", max_model_len=1024, linear="plain"))
+eng = engine_as_of(16, model, None, kv_budget="64MiB", max_model_len=1024)
 print("max_model_len=1024:  ", eng.pool.describe())
 need = poolplan.blocks_per_request(cfg.max_position_embeddings) * per_block + per_token
-eng = Engine(model, None, EngineConfig(kv_budget=need, linear="plain"))
+eng = engine_as_of(16, model, None, kv_budget=need)
 print(f"kv_budget={need:,}:", eng.pool.describe())
 assert eng.pool.num_slots == cfg.max_position_embeddings and eng.allocator.num_blocks == 512
 try:
-    Engine(model, None, EngineConfig(kv_budget=need - 1, linear="plain"))
+    engine_as_of(16, model, None, kv_budget=need - 1)
 except ValueError as e:
     print(f"kv_budget={need - 1:,}: refused:", e)
 else:
@@ -488,7 +474,3 @@ display(Image(filename=str(png)))
 # 3. **Reproduce the table at other sizes.** `python days/day16/poolplan.py --budgets 1GiB 40GiB
 #    --contexts 4096 --out-budgets /tmp/b.csv`: 40 GiB in bf16 must hold
 #    (40 GiB - 23,040) // 368,640 blocks, and `fits_full_context` must say `yes` in all four rows.
-# 4. **Find the threshold.** With `max_model_len=2048`, find the smallest `kv_budget` at which
-#    `Engine(model, None, EngineConfig(kv_budget=..., max_model_len=2048, linear="plain"))`
-#    starts: predict it from section 5's formula (128 blocks and the sink) and check that one
-#    byte less is refused.

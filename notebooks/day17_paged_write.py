@@ -40,7 +40,6 @@
 # 6. the diagram.
 
 # %%
-import csv
 import sys
 from collections import Counter
 
@@ -52,7 +51,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from torch.overrides import TorchFunctionMode
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, read_csv, show
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator
 from nanoserve.cache import BatchedPagedKVCache
@@ -74,17 +73,6 @@ print(
 prompts = slotwrite.prompts()
 for name, ids in prompts.items():
     print(f"prompt {name}: {len(ids)} tokens {ids}")
-
-
-def read_csv(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
-
-
-def show(rows, columns):
-    print(" | ".join(columns))
-    for row in rows:
-        print(" | ".join(str(row[c]) for c in columns))
 
 
 # %% [markdown]
@@ -166,7 +154,7 @@ class CountCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-cache = Recorded(cfg, slotwrite.NUM_BLOCKS * BS, attention="native")
+cache = Recorded(cfg, slotwrite.NUM_BLOCKS * BS, attention="gather")
 cache.seen = {}
 print("before the step: K pool of layer 0 is", cache.k[0])
 with CountCalls() as counted:
@@ -201,9 +189,7 @@ print(cache.k[0][:10, 0, :4])
 
 # %%
 slot_table = slotwrite.slot_rows(tokens)
-assert [{k: str(v) for k, v in r.items()} for r in slot_table] == read_csv(slotwrite.CSV_SLOTS), (
-    "rerun slotwrite.py"
-)
+assert as_text(slot_table) == read_csv(slotwrite.CSV_SLOTS), "rerun slotwrite.py"
 STEPS = ["prefill", "decode 1", "decode 2"]
 
 
@@ -287,7 +273,7 @@ def run_steps(off_by_one_at=None):
     """The example's prefill and two decode steps on a fresh pool; with `off_by_one_at`, A's
     write slot at that decode step is one too far. Returns (cache, logits per step, plans)."""
     global cache
-    cache = BatchedPagedKVCache(cfg, slotwrite.NUM_BLOCKS * BS, attention="native")
+    cache = BatchedPagedKVCache(cfg, slotwrite.NUM_BLOCKS * BS, attention="gather")
     out, plans = [], []
     for step, plan, _ in slotwrite.example_steps(tokens):
         if step == off_by_one_at:
@@ -504,11 +490,7 @@ display(Image(filename=str(png)))
 #    give prompts of 5 and 6 tokens their blocks (`slotwrite.new_sequences` shows how) and write
 #    down the prefill's slots before printing `plan_prefill(...).write_slots`: it must be
 #    `[0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 13]`.
-# 3. **Break the write in the package.** In `BatchedPagedKVCache.write`, write V at
-#    `plan.write_slots.flip(0)` instead of `plan.write_slots` (inside a `pytest_configure`
-#    plugin, as in Day 11's Try it), and run `pytest tests/test_engine.py -k
-#    "batch_invariance_tiny"` (about two minutes): it must fail, and pass without the plugin.
-# 4. **Reproduce the timing.** `python days/day17/slotwrite.py --reps 500 --out-write /tmp/w.csv`:
+# 3. **Reproduce the timing.** `python days/day17/slotwrite.py --reps 500 --out-write /tmp/w.csv`:
 #    the slots table must come out identical (`diff` with `day-17-slots.csv` prints nothing), and
 #    in the write table `contiguous_over_paged` should again grow with the decode rows and stay
 #    below 1 for the longest prefill.

@@ -37,7 +37,6 @@
 # 6. the script's full table (`days/day19/prefixbench.py`) and the diagram.
 
 # %%
-import csv
 import hashlib
 import random
 import struct
@@ -53,12 +52,9 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.blocks as blocks
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, engine_as_of, read_csv, recording_cache, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import BlockAllocator, BlockTable, block_hashes
-from nanoserve.config import EngineConfig
-from nanoserve.contiguous import NoCache
-from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
@@ -76,8 +72,7 @@ t0 = time.perf_counter()
 model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
 print(f"SmolLM2-135M-Instruct, fp32, loaded in {time.perf_counter() - t0:.1f} s")
 BS = prefixbench.BLOCK_SIZE
-with open(prefixbench.CSV_CHAT) as f:
-    committed = list(csv.DictReader(f))
+committed = read_csv(prefixbench.CSV_CHAT)
 
 # %% [markdown]
 # ## 1. The name of a block
@@ -195,10 +190,12 @@ alloc.free(tz)
 # ## 3. A real chat, turn by turn
 #
 # `prefixbench.chat` runs a conversation through the engine the way a chat client drives a
-# server: turn t's prompt is the chat template over every message so far, and the model's
-# greedy reply (16 tokens at most) becomes the next assistant message. After each turn's first
-# step it reads how many prompt tokens the sequence's table got from the cache. The notebook
-# runs the first three turns of conversation A; the script runs all five, then conversation B.
+# server. The engine is `Engine` (`add_request`, `step`), whose API day 34 builds; it runs here
+# as it stood on day 19 (`engine_config(19, ...)`), one request at a time. Turn t's prompt is
+# the chat template over every message so far, and the model's greedy reply (16 tokens at most)
+# becomes the next assistant message. After each turn's first step it reads how many prompt
+# tokens the sequence's table got from the cache. The notebook runs the first three turns of
+# conversation A; the script runs all five, then conversation B.
 
 # %%
 t0 = time.perf_counter()
@@ -342,24 +339,12 @@ class NameOnly(BlockAllocator):
         return hits
 
 
-class Recording(NoCache):
-    """The no-cache forward, keeping each layer's K: (N, kv_heads, head_dim)."""
-
-    def __init__(self):
-        self.kept = {}
-
-    def write(self, layer, k, v):
-        super().write(layer, k, v)
-        self.kept[layer] = k.clone()
-
-
 tiny = tiny_llama(0)
 
 
 def tiny_engine(allocator=None):
     per_block = tiny.cfg.kv_bytes_per_token(torch.float32) * 4
-    config = EngineConfig(block_size=4, max_model_len=128, kv_budget=65 * per_block, max_batch=4)
-    eng = Engine(tiny, None, config)
+    eng = engine_as_of(19, tiny, None, block_size=4, max_model_len=128, kv_budget=65 * per_block, max_batch=4)
     if allocator is not None:
         eng.allocator = eng.scheduler.allocator = allocator(eng.pool.num_blocks, 4)
     return eng
@@ -377,7 +362,7 @@ def run_and_keep_table(eng, prompt, n=6):
 
 def check_kv_is_own(eng, prompt, table_blocks):
     """Every layer's K in the table's slots for the prompt's positions equals a fresh forward's."""
-    rec, pos = Recording(), torch.arange(len(prompt))
+    rec, pos = recording_cache(), torch.arange(len(prompt))
     rec.begin(pos)
     tiny(torch.tensor(prompt), pos, rec)
     slots = BlockTable(4, table_blocks).slots(0, len(prompt))
@@ -539,12 +524,7 @@ display(Image(filename=png))
 #    compares the parent. Undo the change.
 # 2. **Predict a turn.** Before running it, work out turn 4's `cached_blocks` from turn 3's row
 #    (prompt 108 tokens, reply 16): `(108 + 16 - 1) // 16` must equal the script's 7.
-# 3. **Smaller blocks, more hits.** Run `python days/day19/prefixbench.py --turns 3
-#    --out /tmp/chat.csv` with `BLOCK_SIZE = 4` in the script: from turn 2 on, no `computed_on`
-#    may grow, most must shrink (the recomputed tail of the previous turn is now at most 3
-#    tokens), and the replies must not change (the script asserts it against the cache-off run).
-#    What does a block of 4 cost the allocator in blocks and in hashes per token?
-# 4. **A system prompt of your own.** Give every conversation the same long system message
+# 3. **A system prompt of your own.** Give every conversation the same long system message
 #    (`{"role": "system", "content": ...}` first): conversation B's turn 1 must now find every
 #    full block that ends before the first user message's own words, and `block_hashes` of the
 #    two conversations' first prompts must agree exactly up to that block.

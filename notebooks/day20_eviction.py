@@ -31,15 +31,14 @@
 # 1. the free list in order: who is handed out first, a prompt claiming freed blocks back, and
 #    why a table is freed tail first,
 # 2. a shared block when one owner finishes,
-# 3. why no copy-on-write: two samples of one prompt through the engine, sharing full blocks
-#    and writing into their own,
+# 3. why no copy-on-write: two samples of one prompt, stepped by hand, sharing full blocks and
+#    writing into their own,
 # 4. a planted share of a partial block, and the gates that catch it,
 # 5. a workload under pressure: blocks reused and recomputed as the pool shrinks, least
 #    recently freed first against most recently freed first (`days/day20/evictbench.py`),
 # 6. the diagram.
 
 # %%
-import csv
 import random
 import sys
 import time
@@ -51,10 +50,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, read_csv, recording_cache, tiny_llama
 from nanoserve.blocks import BlockAllocator, BlockTable, block_hashes
-from nanoserve.contiguous import NoCache
-from nanoserve.sampling import SamplingParams
+from nanoserve.cache import BatchedPagedKVCache
+from nanoserve.plan import plan_prefill
+from nanoserve.sampling import SamplingParams, sample
+from nanoserve.scheduler import Sequence
 
 sys.path.insert(0, str(REPO / "days" / "day20"))
 import evictbench  # the day's script: the notebook runs its workload and reads its table
@@ -80,7 +81,7 @@ names = lambda tokens: [alloc.cached_block(h) for h in block_hashes(tokens, 4)] 
 timeline = []  # (event, free list front to back, blocks still named) for the diagram
 
 
-def show(event):
+def note(event):
     free = list(alloc._free)
     timeline.append((event, free, {blk for blk in names(a) + names(b) if blk is not None}))
     print(f"{event:<34} free list {free}   a's names -> {names(a)}, b's -> {names(b)}")
@@ -91,11 +92,11 @@ for table, tokens in ((ta, a), (tb, b)):
     alloc.allocate_prompt(table, tokens)
     alloc.cache_full_blocks(table, tokens)  # the K/V is written: the full blocks get their names
 print("a's table", ta.blocks, " b's table", tb.blocks)
-show("a and b computed")
+note("a and b computed")
 alloc.free(ta)
-show("a finished")
+note("a finished")
 alloc.free(tb)
-show("b finished")
+note("b finished")
 assert list(alloc._free) == [6, 7, 8, 9, 10, 11, 2, 1, 0, 5, 4, 3]
 
 # %% [markdown]
@@ -107,9 +108,9 @@ assert list(alloc._free) == [6, 7, 8, 9, 10, 11, 2, 1, 0, 5, 4, 3]
 # %%
 tc, td = BlockTable(4), BlockTable(4)
 alloc.allocate_prompt(tc, draw(24))
-show("c admitted (6 blocks)")
+note("c admitted (6 blocks)")
 alloc.allocate_prompt(td, draw(8))
-show("d admitted (2 blocks)")
+note("d admitted (2 blocks)")
 print("c's table", tc.blocks, " d's table", td.blocks)
 assert td.blocks == [2, 1] and names(a) == [0, None] and names(b) == [3, 4]
 
@@ -125,7 +126,7 @@ te = BlockTable(4)
 e = b[:8] + draw(1)
 print("e cached:", alloc.allocate_prompt(te, e), "tokens; table", te.blocks)
 print("ref counts of e's blocks:", [alloc.ref_count(blk) for blk in te.blocks])
-show("e admitted (b's prefix)")
+note("e admitted (b's prefix)")
 alloc.check_invariants([tc, td, te])
 assert te.blocks == [3, 4, 0] and te.num_cached_tokens == 8 and names(a) == [None, None]
 
@@ -178,13 +179,15 @@ assert replay(BlockAllocator)[1] == [0, None] and replay(HeadFirst)[1] == [None,
 #
 # ## 2. A shared block when one owner finishes
 #
-# From here on the engine itself, over the tiny random-weight Llama (`nanocourse.
-# tiny_llama`, 2 layers, head dim 16) with 4-token blocks: `evictbench.engine(model, blocks)`
-# builds one over a pool of exactly that many blocks. Two samples of one 14-token prompt go
-# in, the way `n` samples of a request do: `add_request(..., after="a")` holds the second one
-# until the first has its prompt in the cache, then queues it at the front, so it finds the
-# first one's full blocks (engine.py, `add_request` and `_release_held`). Sample a stops after 4
-# tokens, sample b after 10. After every step the cell notes both tables and the ref counts.
+# From here on the model runs: the tiny random-weight Llama (`nanocourse.tiny_llama`, 2
+# layers, head dim 16) over a paged pool of 64 blocks of 4 tokens, stepped by hand. Two samples
+# of one 14-token prompt go in, the way `n` samples of a request do. Step 1 computes sample a's
+# prompt and files its full blocks; from step 2 on, a step holds a decode row for every running
+# sample, and step 2 also holds b's prompt, which by then finds a's full blocks. (Choosing who
+# runs in a step is the scheduler's job, which day 26 builds, and rows of several sequences in
+# one step are batching, days 22 to 27; here `samples` writes the order out.) Sample a stops
+# after 4 tokens, sample b after 10. After every step the cell notes both tables and the ref
+# counts.
 
 # %%
 tiny = tiny_llama(0)
@@ -195,34 +198,49 @@ params = {
 }
 
 
-def samples(eng, names=("a", "b"), on_plan=None):
-    """Run the samples to the end: tokens by name, each sequence's block table as of the last
-    step it ran in, and after every step the ref counts of blocks 0-5. `on_plan(eng, plan)` is
-    called on every step's plan before the model runs it."""
-    for name in names:
-        eng.add_request(prompt, params[name], request_id=name, after="a" if name != "a" else None)
+@torch.inference_mode()
+def samples(alloc, names=("a", "b"), on_plan=None):
+    """Step the samples to the end over `alloc`'s pool: one sample's prompt joins per step (a
+    first), beside a decode row for each sample already running. Returns the tokens by name,
+    each sample's block table as of the last step it ran in, the ref counts of blocks 0-5 after
+    every step, and the pool. `on_plan(alloc, plan)` sees every step's plan before the model
+    runs it."""
+    cache = BatchedPagedKVCache(tiny.cfg, alloc.num_blocks * 4, attention="gather")
+    waiting, running, gens = list(names), [], {}
     out, tables, steps = {name: [] for name in names}, {}, []
-    plan_fn = eng.runner.plan
-
-    def plan(batch):
-        step = plan_fn(batch)
-        for seq in step.rows:
+    while waiting or running:
+        chunks = []
+        for seq in running:  # its newest token, at position len - 1
+            alloc.append_slots(seq.block_table, len(seq.token_ids))
+            chunks.append((seq, len(seq.token_ids) - 1, len(seq.token_ids)))
+        if waiting:  # the next sample's prompt, past the blocks the prefix cache hands it
+            name = waiting.pop(0)
+            seq = Sequence(name, list(prompt), params[name], 4)
+            cached = alloc.allocate_prompt(seq.block_table, seq.token_ids)
+            gens[name] = params[name].make_generator()
+            chunks.append((seq, cached, len(prompt)))
+            running.append(seq)
+        plan = plan_prefill(chunks, 4)
+        for seq, _, _ in chunks:
             tables[seq.request_id] = list(seq.block_table.blocks)
         if on_plan is not None:
-            on_plan(eng, step)
-        return step
+            on_plan(alloc, plan)
+        logits = tiny(plan.input_ids, plan.positions, cache.view(plan), logits_at=plan.logits_at)
+        for row, (seq, _, end) in enumerate(chunks):
+            name = seq.request_id
+            alloc.cache_full_blocks(seq.block_table, seq.token_ids, upto=end)  # K/V written to `end`
+            token = int(sample(logits[row : row + 1], [seq.params], [gens[name]])[0])
+            seq.token_ids.append(token)
+            out[name].append(token)
+            if len(out[name]) == seq.params.max_tokens:  # done: its last token's K/V is never computed
+                alloc.free(seq.block_table)
+                running.remove(seq)
+        steps.append([alloc.ref_count(blk) for blk in range(6)])
+    return out, tables, steps, cache
 
-    eng.runner.plan = plan
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id] += o.new_token_ids
-        steps.append([eng.allocator.ref_count(blk) for blk in range(6)])
-    return out, tables, steps
 
-
-alone = {name: samples(evictbench.engine(tiny, 64), (name,))[0][name] for name in ("a", "b")}
-eng = evictbench.engine(tiny, 64)
-out, tables, steps = samples(eng)
+alone = {name: samples(BlockAllocator(64, 4), (name,))[0][name] for name in ("a", "b")}
+out, tables, steps, _ = samples(BlockAllocator(64, 4))
 print("tables:", tables)
 for i, counts in enumerate(steps, start=1):
     print(f"after step {i:>2}: ref counts of blocks 0-5 {counts}")
@@ -231,7 +249,7 @@ assert tables["a"][:3] == tables["b"][:3] and tables["a"][3] != tables["b"][3] a
 steps_story = steps  # for the diagram
 
 # %% [markdown]
-# Step 1 computes a's prompt into blocks 0 to 3, one owner each. Step 2 releases b, which finds
+# Step 1 computes a's prompt into blocks 0 to 3, one owner each. Step 2 admits b, which finds
 # a's three full blocks (ref count 2) and takes block 4 for its partial tail, recomputing
 # positions 12 and 13 there, while a writes its position 14 into the free slots of its own
 # block 3. In step 4 a writes position 16 into a new block 5, samples its fourth token and is
@@ -245,52 +263,40 @@ steps_story = steps  # for the diagram
 # Follow the writes. A block gets a name only in `cache_full_blocks`, and only once every one
 # of its slots holds K/V (the first `num_computed` tokens fill it): from then on its owner's
 # next tokens land in a later block. A sharer gets only named blocks (`_cached_prefix`), and
-# its prefill starts past them (`num_computed = cached`, scheduler.py); its partial last block
+# its prefill starts past them (its chunk in `samples` starts at `cached`); its partial last block
 # is always fresh, and even a prompt whose blocks are all named recomputes its last token in a
 # block of its own. So no step ever writes into a block that two tables hold. That is the gate:
 
 
 # %%
-def check_writes_private(eng, plan) -> None:
+def check_writes_private(alloc, plan) -> None:
     """No slot this step writes lies in a block that more than one table holds."""
-    bs = eng.config.block_size
+    bs = alloc.block_size
     for slot in plan.write_slots.tolist():
-        owners = eng.allocator.ref_count(slot // bs)
+        owners = alloc.ref_count(slot // bs)
         if owners > 1:
             raise AssertionError(
                 f"this step writes slot {slot} of block {slot // bs}, which {owners} tables hold"
             )
 
 
-class Recording(NoCache):
-    """The no-cache forward, keeping each layer's K: (N, kv_heads, head_dim)."""
-
-    def __init__(self):
-        self.kept = {}
-
-    def write(self, layer, k, v):
-        super().write(layer, k, v)
-        self.kept[layer] = k.clone()
-
-
-def check_kv_is_own(eng, tokens, blocks):
+def check_kv_is_own(cache, tokens, blocks):
     """The K in a table's slots equals what a fresh forward over its own tokens computes."""
-    rec, pos = Recording(), torch.arange(len(tokens))
+    rec, pos = recording_cache(), torch.arange(len(tokens))
     rec.begin(pos)
     tiny(torch.tensor(tokens), pos, rec)
     slots = BlockTable(4, blocks).slots(0, len(tokens))
     for layer, want in rec.kept.items():
-        bad = (eng.cache.k[layer][slots] - want).abs().amax(dim=(1, 2))  # (N,)
+        bad = (cache.k[layer][slots] - want).abs().amax(dim=(1, 2))  # (N,)
         if bad.max() > 1e-5:
             wrong = (bad > 1e-5).nonzero().flatten().tolist()
             raise AssertionError(f"layer {layer}: the K at positions {wrong} is not this sequence's own")
 
 
-eng = evictbench.engine(tiny, 64)
-out, tables, steps = samples(eng, on_plan=check_writes_private)
+out, tables, steps, pool = samples(BlockAllocator(64, 4), on_plan=check_writes_private)
 for name in ("a", "b"):
     computed = prompt + out[name][:-1]  # the last sampled token's K/V is never computed
-    check_kv_is_own(eng, computed, tables[name])
+    check_kv_is_own(pool, computed, tables[name])
 print("every step's writes private; both tables hold their own K/V; tokens as alone:", out == alone)
 assert out == alone
 
@@ -328,25 +334,17 @@ class SharesPartial(BlockAllocator):
         return cached
 
 
-def planted_engine():
-    eng = evictbench.engine(tiny, 64)
-    eng.allocator = eng.scheduler.allocator = SharesPartial(64, 4)
-    return eng
-
-
-eng = planted_engine()
 try:
-    samples(eng, on_plan=check_writes_private)
+    samples(SharesPartial(64, 4), on_plan=check_writes_private)
 except AssertionError as err:
     print("write gate caught:", err)
 else:
     raise RuntimeError("a write into a shared partial block should have been caught")
 
-eng = planted_engine()  # unguarded this time: let it run, then look at a's slots
-out, tables, steps = samples(eng)
+out, tables, steps, pool = samples(SharesPartial(64, 4))  # unguarded this time: then look at a's slots
 print("tables:", tables)
 try:
-    check_kv_is_own(eng, prompt + out["a"][:-1], tables["a"])
+    check_kv_is_own(pool, prompt + out["a"][:-1], tables["a"])
 except AssertionError as err:
     print("K/V check on a caught:", err)
 else:
@@ -366,15 +364,18 @@ print("a's tokens equal to a alone:", out["a"] == alone["a"], "| b's:", out["b"]
 # ## 5. Under pressure
 #
 # The script's workload: 40 requests over four shared 24-token prefixes (the first four times
-# as popular as the last) with a few tokens of their own, one request every two steps, two
-# running at once, 6 greedy tokens each, 4-token blocks. The smaller the pool, the fewer freed
-# blocks survive until a prompt asks for them. `lrf` is the package's allocator; `mrf` a
+# as popular as the last) with a few tokens of their own, one request every two steps, at most
+# two running at once, 6 greedy tokens each, 4-token blocks. The script runs them through
+# `Engine` (`add_request`, `step`), the API that day 34 builds, pinned as it stood on day 20
+# (`engine_config(20, ...)`): a batch of up to two starts only when the last one has finished
+# (static batching, which day 22 builds), and a sequence that finds no free block for its next
+# token is preempted and later recomputed (preemption, which day 29 builds). The smaller the
+# pool, the fewer freed blocks survive until a prompt asks for them. `lrf` is the package's allocator; `mrf` a
 # variant that takes the most recently freed block first; `off` no prefix caching. Live, `lrf`
 # and `mrf` over the roomiest pool and over 20 blocks:
 
 # %%
-with open(evictbench.CSV_PRESSURE) as f:
-    committed = list(csv.DictReader(f))
+committed = read_csv(evictbench.CSV_PRESSURE)
 t0 = time.perf_counter()
 live = evictbench.pressure_rows(tiny, pools=(20, 96), variants=("lrf", "mrf"))
 print(f"{len(live)} runs in {time.perf_counter() - t0:.1f} s")
@@ -401,10 +402,10 @@ for r in committed:
 # Read down the `lrf` rows. Down to 64 blocks nothing is lost: 864 of 1,151 prompt tokens come
 # from the cache (0.751) and 287 are computed, against 1,151 with caching off. From 48 blocks
 # down, freed blocks are handed out again before the next request with their prefix arrives:
-# 1 block recomputed at 48, 11 at 32, 69 at 20. At 16 blocks the pool is short for two running
-# sequences as well: 13 preemptions, 159 steps instead of 122, and a hit rate of 0.348.
+# 2 blocks recomputed at 48, 12 at 32, 85 at 20. At 16 blocks the pool is short for two running
+# sequences as well: 17 preemptions, 168 steps instead of 126, and a hit rate of 0.348.
 #
-# The `mrf` rows sit at 0.375 from 96 blocks all the way down to 20, and the 198 evictions do
+# The `mrf` rows sit at 0.334 from 96 blocks all the way down to 20, and the 192 evictions do
 # not move either. A stack hands out the block freed last, and with tail-first freeing that is
 # the head of the prefix the finished request had just used, the one block a following request
 # most needs; it does so even when the pool has blocks nobody ever touched. A roomier pool
@@ -442,7 +443,7 @@ for j, counts in enumerate(steps_story):
         ax.text(j, blk, str(n), ha="center", va="center", fontsize=8)
 ax.set_xticks(range(len(steps_story)), [str(j + 1) for j in range(len(steps_story))])
 ax.set_yticks(range(6), [f"block {blk}" for blk in range(6)])
-ax.set_xlabel("engine step")
+ax.set_xlabel("step (stepped by hand)")
 ax.set_title("Section 2: ref counts (sample a: 4 tokens, b: 10)")
 
 ax = axes[1, 0]

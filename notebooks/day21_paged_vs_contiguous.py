@@ -27,7 +27,8 @@
 # second does each way generate for the same requests? Day 11's cache serves one sequence, so
 # it runs them one after another; the paged engine runs them one after another too (paging
 # alone) and all in one batch (what paging makes room for). The tokens must be the same
-# every way.
+# every way. The paged side runs through `Engine`, whose API (`add_request`, `step`) day 34
+# builds; putting several requests in one step is batching, which days 22 to 27 build.
 #
 # 1. the requests, and the bytes each way holds, worked out by hand for the first step,
 # 2. memory over the whole run (`pagedbench.memory_rows` over the engine's steps),
@@ -38,7 +39,6 @@
 # 6. the diagram.
 
 # %%
-import csv
 import sys
 import time
 
@@ -49,7 +49,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line
 
 sys.path.insert(0, str(REPO / "days" / "day21"))
@@ -66,11 +66,6 @@ MAX_LEN, BS = size["max_len"], pagedbench.BLOCK_SIZE
 print(f"{len(reqs)} requests; max length {MAX_LEN}; blocks of {BS}")
 for i, (prompt, n) in enumerate(reqs):
     print(f"  request {i}: prompt {len(prompt):>2} tokens, {n:>2} to generate")
-
-
-def read_csv(path):
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 # %% [markdown]
@@ -201,13 +196,12 @@ assert int(next(r for r in committed if r["tokens"])["tokens"]) == sum(n for _, 
 # larger again, while the blocks would not change.
 #
 # Speed, 1,026 generated tokens every way, the same tokens: one at a time, the paged engine and
-# Day 11's loop ran at the same rate, 8.9 and 8.8 tokens a second (9.6 and 9.5 in decode
-# steps), so paging itself neither costs nor gains anything measurable at batch 1. The batch is
-# what pays: 30.5 tokens a second over the whole run and 42.9 in decode steps, 3.5 and 4.5
-# times the contiguous loop. The machine was shared with other jobs during the run (load
-# averages of 3 to 4 on 2 cores), so the absolute rates are low (Day 12 measured 16.6 tokens a
-# second on one thread); the ratios come from the ways run in turn. The batch is the point of
-# the pool: contiguous reservations at 2,048 positions for these 16 requests would need 1.5 GB
+# Day 11's loop ran at about the same rate, 23.5 and 24.2 tokens a second (26.6 and 27.6 in
+# decode steps), so paging itself costs little at batch 1. The batch is what pays: 62.3 tokens
+# a second over the whole run and 91.3 in decode steps, against the contiguous loop's 24.2 and
+# 27.6. The run had the machine to itself; the ratios come from the ways run in turn. The
+# batch is the point of the pool: contiguous reservations at 2,048 positions for these 16
+# requests would need 1.5 GB
 # before the first token, the pool never held more than 122 MB.
 #
 # ## 6. The diagram
@@ -284,6 +278,42 @@ png = diagram_path("day21-paged-vs-contiguous.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)
 display(Image(filename=png))
+
+# %% [markdown]
+# ## 7. Phase 2, from its first day to its last
+#
+# Phase 2 (days 13-21) replaced the cache that reserves a whole context per request with a pool
+# of blocks: day 13 measured what the reservation wastes, days 14-17 built the allocator, the
+# block tables, the pool's plan and the paged write, day 18 the paged read, day 19 prefix
+# sharing, day 20 eviction and copy-on-write, and today put the two caches side by side. The
+# committed CSVs of days 13, 19 and 21, first to last:
+
+# %%
+waste = {r["policy"]: r for r in read_csv(REPO / "days" / "day13" / "day-13-waste.csv")}
+print(
+    f"day 13: slots reserved and never written: {waste['max_len']['wasted_pct']}% reserving the "
+    f"model's length, {waste['prompt+max_tokens']['wasted_pct']}% reserving prompt + max_tokens, "
+    f"{waste['paged16']['wasted_pct']}% in blocks of 16"
+)
+chat = read_csv(REPO / "days" / "day19" / "day-19-chat.csv")
+cached, prompt = sum(int(r["cached_tokens"]) for r in chat), sum(int(r["prompt_tokens"]) for r in chat)
+print(f"day 19: {cached} of {prompt} prompt tokens over {len(chat)} chat turns came from the prefix cache")
+runs = {r["variant"]: r for r in committed}
+print(
+    f"day 21: 16 rows' K/V at its peak: {runs['contiguous, max length']['kv_peak_mb']} MB reserved "
+    f"contiguously, {runs['paged blocks']['kv_peak_mb']} MB in blocks, "
+    f"{runs['K/V written']['kv_peak_mb']} MB written"
+)
+print(
+    f"day 21: the same requests one at a time {runs['paged, one at a time']['tok_s']} tok/s, "
+    f"in one paged batch {runs['paged, one batch']['tok_s']} tok/s"
+)
+assert float(waste["paged16"]["wasted_pct"]) < float(waste["prompt+max_tokens"]["wasted_pct"])
+
+# %% [markdown]
+# The pool holds what is written, to within a block a request, and any request can use any
+# block. What it does not decide is who runs: the batch of section 5 was formed by hand. Phase 3
+# builds the scheduler that forms it, step by step, starting tomorrow from the simplest batch.
 
 # %% [markdown]
 # ## In the real systems

@@ -43,7 +43,6 @@
 # 7. the diagram.
 
 # %%
-import csv
 import sys
 import warnings
 
@@ -56,7 +55,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv, same_or_near_tie
 from nanoserve.bench import cpu_line, throughput_workload
 from nanoserve.generate import greedy_tokens
 
@@ -196,12 +195,12 @@ except AssertionError as e:
 # generated tokens of every row; each must equal the request run alone through nanoserve's
 # eager path (`greedy_tokens`, one sequence, no padding). Different shapes round differently,
 # so, as in `tests/test_engine.py`, a difference would be excused only where the reference's
-# top two logits are within 1e-4 (`staticbench.same_or_near_tie`).
+# top two logits are within 1e-4 (`nanocourse.same_or_near_tie`).
 
 # %%
 with torch.inference_mode():
     alone = [greedy_tokens(tiny, p, n) for p, n in reqs]
-check = staticbench.same_or_near_tie
+check = same_or_near_tie
 verdicts = [check(tiny, p, ref, got) for (p, _), ref, got in zip(reqs, alone, theirs["tokens"])]
 print("left-padded batches against each request alone:", verdicts)
 assert verdicts == ["equal"] * len(reqs)
@@ -229,7 +228,7 @@ def right_padded(hf, batch_reqs):
 wrong = right_padded(hf, first)
 for r, ((p, _), ref, got) in enumerate(zip(first, alone, wrong)):
     try:
-        staticbench.same_or_near_tie(tiny, p, ref, got)
+        same_or_near_tie(tiny, p, ref, got)
         print(f"row {r} ({len(p)} prompt tokens, {width - len(p)} pads): equal")
     except AssertionError as e:
         print(f"row {r} ({len(p)} prompt tokens, {width - len(p)} pads): caught: {e}")
@@ -242,15 +241,17 @@ assert wrong[3] == alone[3] and all(wrong[r] != alone[r] for r in range(3))
 #
 # ## 4. The engine's static batches
 #
-# `EngineConfig(schedule="static")` is the engine's oldest policy, kept as a named variant: a
-# batch is admitted only when nothing is running, as many waiting requests as there are rows,
+# The engine as it stands today, `engine_config(22)`, schedules with `schedule="static"`, the
+# first policy it has (later days add others and keep this one as a named variant): a batch is
+# admitted only when nothing is running, as many waiting requests as there are rows,
 # and nobody joins until its last member is done. Two things differ from the rectangle. The
 # prompts go into one ragged prefill step, packed end to end with no padding (the model reads a
 # flat list of tokens, Day 23), and a row that has its tokens leaves the step, so its seat is
 # empty instead of computing. `staticbench.static_engine` gives it 4 rows and a step budget that
 # takes a whole batch's prompts at once, as the rectangle's prefill does;
 # `run_static_engine` records, for every step, the rows it computed and how many members of the
-# running batch had already finished.
+# running batch had already finished. (The engine's `add_request` and `step` are the loop Day 34
+# builds its API on; here they only carry the schedule.)
 
 # %%
 engine = staticbench.static_engine(tiny, reqs, BATCH)
@@ -333,8 +334,7 @@ assert ours52[k] == 2 and len(theirs52) == len(ours52) == n52
 # %%
 smol = throughput_workload(64, (16, 256), (16, 128), 49152, seed=0)
 assert [(len(p), n) for p, n in smol] == [(len(p), n) for p, n in full]
-with open(staticbench.CSV) as f:
-    table = list(csv.DictReader(f))
+table = read_csv(staticbench.CSV)
 cols = ["batch", "prompt_tokens", "width", "padded_prompt_tokens", "longest_output", "useful_tokens",
         "wasted_row_steps", "hf_positions", "engine_positions", "engine_idle_row_steps",
         "useful_share"]  # fmt: skip
@@ -450,7 +450,9 @@ ax.axvline(wmax - 0.5, color="black", lw=1)
 ax.set_yticks([])
 ax.set_xlabel("token position")
 ax.set_ylabel("row, batch by batch")
-ax.set_title("the same 64 requests as rectangles: half of what is computed is useful", fontsize=10)
+every = next(r for r in table if r["batch"] == "all")
+ax.set_title(f"the same 64 requests as rectangles: {int(every['engine_positions']):,} of "
+             f"{int(every['hf_positions']):,} positions useful, just under half", fontsize=10)  # fmt: skip
 fig.suptitle("Day 22: static batches, left-padded, each until its longest member", fontsize=14)
 png = diagram_path("day22-static.png")
 fig.savefig(png, dpi=100, bbox_inches="tight")
@@ -491,14 +493,10 @@ display(Image(filename=png))
 # 1. **Sort first.** Sort `reqs` by output length before batching and rerun sections 1 and 4:
 #    the wasted row-steps must drop (predict by how much with `static_counts` before running),
 #    and the engine's idle row-steps must still equal them. Why can a server not do this?
-# 2. **Right padding, counted.** `right_padded` pads exactly as many positions as left padding
-#    does. Count its mask zeros and check they equal section 1's `padded` for batch 0: the
-#    number is right and the tokens are wrong, so which of the two checks would catch a
-#    right-padding bug in `run_transformers_workload`?
-# 3. **Break the engine's count.** In `staticbench.run_static_engine`, count `idle` from the
+# 2. **Break the engine's count.** In `staticbench.run_static_engine`, count `idle` from the
 #    rows still running (`len(sched.running)`) instead of the finished members; the script's
 #    assert `engine_idle_row_steps == wasted_row_steps` must fail on the first batch
 #    (`python days/day22/staticbench.py --requests 12 --batch 4 --prompt-len 4 24 --output-len
 #    2 16 --out /tmp/t.csv`).
-# 4. **A batch of one.** Rerun the script with `--batch 1`: every count of waste must be 0 and
+# 3. **A batch of one.** Rerun the script with `--batch 1`: every count of waste must be 0 and
 #    `useful_share` 1.0, and the engine's steps become the sum of all outputs. What is lost?

@@ -42,7 +42,6 @@
 # 6. the diagram.
 
 # %%
-import csv
 import sys
 
 import matplotlib
@@ -53,10 +52,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, engine_config, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
@@ -190,21 +188,23 @@ assert torch.equal(plan.input_ids, ids) and torch.equal(plan.positions, position
 assert [(a, b) for a, b, _ in plan.row_spans] == list(zip(starts, starts[1:]))
 assert plan.logits_at.tolist() == [b - 1 for b in starts[1:]]
 
-cache = BatchedPagedKVCache(model.cfg, alloc.num_blocks * raggedbench.BLOCK_SIZE)
+cache = BatchedPagedKVCache(model.cfg, alloc.num_blocks * raggedbench.BLOCK_SIZE, attention="gather")
 paged = model(plan.input_ids, plan.positions, cache.view(plan), logits_at=plan.logits_at)  # (3, vocab)
 diff = (paged - packed[plan.logits_at]).abs().max().item()
 print(f"paged forward against the masked packed row, at the three last tokens: max |difference| {diff:.1e}")
 assert diff <= TOL and paged.argmax(-1).tolist() == next_tokens
 
 # %% [markdown]
-# And through the engine: the three prompts as requests, one token each. With the default step
-# budget of 512 tokens the scheduler takes all three in its first step, a single prefill step;
-# the cell catches the logits that step's runner returns. The engine keeps the model's linears
-# plain (`linear="plain"`), so the model stays the one the cells above ran.
+# And through the engine as of today, `engine_config(23)`: the three prompts as requests, one
+# token each (its `add_request` and `step` are the loop Day 34 builds its API on). Its static
+# schedule of Day 22 admits all three at once and, with the default step budget of 512 tokens,
+# prefills them in its first step; the cell catches the logits that step's runner returns. As
+# of today the engine's linears are the model's own (`linear="plain"`) and it reads the pool by
+# gathering (`attention="gather"`), as the cache above does.
 
 # %%
 per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
-config = EngineConfig(linear="plain", max_model_len=256, kv_budget=64 * per_block)
+config = engine_config(23, max_model_len=256, kv_budget=64 * per_block)
 eng = Engine(model, tok, config)
 caught = []
 execute = eng.runner.execute
@@ -212,11 +212,12 @@ eng.runner.execute = lambda plan: caught.append(execute(plan)) or caught[-1]
 for p in prompts:
     eng.add_request(p, SamplingParams(max_tokens=1))
 outs = eng.step()
-print("step_kinds:", eng.step_kinds, "| has_unfinished:", eng.has_unfinished())
+print("prefill steps:", eng.step_kinds["prefill"], "| decode steps:", eng.step_kinds["decode"],
+      "| has_unfinished:", eng.has_unfinished())  # fmt: skip
 print("first tokens:", [o.new_token_ids for o in outs], [repr(o.text_delta) for o in outs])
 diff = (caught[0] - paged).abs().max().item()
 print(f"the engine's prefill logits against the paged forward above: max |difference| {diff:.1e}")
-assert eng.step_kinds == {"prefill": 1, "decode": 0, "mixed": 0} and not eng.has_unfinished()
+assert eng.step_kinds["prefill"] == 1 and sum(eng.step_kinds.values()) == 1 and not eng.has_unfinished()
 assert [o.new_token_ids[0] for o in outs] == next_tokens and diff <= TOL
 
 # %% [markdown]
@@ -268,7 +269,7 @@ for way in ("right", "run-on"):
     plan_w = plan_prefill([(s, 0, len(s.token_ids)) for s in seqs_w], raggedbench.BLOCK_SIZE)
     if way == "run-on":
         plan_w.positions = torch.arange(plan_w.num_tokens)  # (N,) 0..N-1 through every prompt
-    cache_w = BatchedPagedKVCache(model.cfg, alloc_w.num_blocks * raggedbench.BLOCK_SIZE)
+    cache_w = BatchedPagedKVCache(model.cfg, alloc_w.num_blocks * raggedbench.BLOCK_SIZE, attention="gather")
     first = model(plan_w.input_ids, plan_w.positions, cache_w.view(plan_w), logits_at=plan_w.logits_at)
     for s, t in zip(seqs_w, first.argmax(-1).tolist()):
         s.token_ids.append(t)  # each prompt's first token; its block has room (16 slots)
@@ -335,8 +336,7 @@ for way, seconds in timed.items():
 # kept, one thread), and asserts the same logits and next tokens every way. Its table:
 
 # %%
-with open(raggedbench.CSV_RAGGED) as f:
-    committed = list(csv.DictReader(f))
+committed = read_csv(raggedbench.CSV_RAGGED)
 print(" | ".join(committed[0]))
 for r in committed:
     print(" | ".join(r.values()))
@@ -348,22 +348,21 @@ for name in raggedbench.WORKLOADS:  # the counts are arithmetic: they must repro
 
 # %% [markdown]
 # Padding costs what the lengths say it costs. Eight prompts of similar lengths (96 to 128
-# tokens) padded to the longest carry 7.8% pads, and the padded forward took 1.07 times the
-# packed one. With lengths spread from 16 to 128, 32.2% of the padded tokens are pads and it
-# took 1.78 times as long; with one prompt of 128 and seven of 16 to 32, 70.4% are pads, and
-# it took 5.32 times as long. Attention grows faster than the tokens: that padded batch computes
-# 1,024 tokens against packed's 303, and 131,072 scores against its 20,853 per head and
-# layer.
+# tokens) padded to the longest carry 7.8% pads, and the padded forward took 0.99 times the
+# packed one: no cost this run can see. With lengths spread from 16 to 128, 32.2% of the padded
+# tokens are pads and it took 1.54 times as long; with one prompt of 128 and seven of 16 to 32,
+# 70.4% are pads, and it took 3.61 times as long. Attention grows faster than the tokens: that
+# padded batch computes 1,024 tokens against packed's 303, and 131,072 scores against its 20,853
+# per head and layer.
 #
-# One at a time computes exactly packed's tokens and scores, and still took 1.06 times as long
-# on the similar prompts and 1.85 and 1.89 times on the two workloads with short prompts: every
-# forward reads all of the weights once, and eight forwards of 16 to 32 tokens read them eight
-# times for little work each. Of the three ways only packing both computes no pads and reads
-# the weights once a step.
+# One at a time computes exactly packed's tokens and scores. On the similar prompts it took 0.98
+# times as long, level with packing, and 1.18 and 1.43 times on the two workloads with short
+# prompts: every forward reads all of the weights once, and eight forwards of 16 to 32 tokens
+# read them eight times for little work each. Of the three ways only packing both computes no
+# pads and reads the weights once a step.
 #
-# The times are one run's on a machine that other jobs were loading heavily, so the rates are
-# low and only the ratios, measured with the ways taking turns, are worth quoting. The token and
-# score counts do not depend on the machine.
+# The times are one run on a quiet machine; only the ratios, measured with the ways taking
+# turns, are worth quoting. The token and score counts do not depend on the machine.
 #
 # ## 6. The diagram
 
@@ -466,7 +465,3 @@ display(Image(filename=png))
 # 3. **Count before you time.** For four prompts of 10, 20, 30 and 200 tokens, work out
 #    `raggedbench.counts("padded", ...)`'s `padding_pct` and `scores` by hand
 #    (`100 * (800 - 260) / 800` and `4 * 200 * 200`), then check them with the function.
-# 4. **Where one at a time stops losing.** Run `python days/day23/raggedbench.py --prompts 2
-#    --out /tmp/r.csv` and then `--prompts 16`: the `x_packed` of one at a time should grow
-#    with the number of prompts on the "one long" workload, since each extra forward reads the
-#    weights once more for a short prompt.

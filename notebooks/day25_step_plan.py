@@ -25,21 +25,19 @@
 # nothing else. Whatever goes wrong in addressing goes wrong in the plan, which is why it is the
 # place to check it.
 #
-# 1. a real engine's steps on SmolLM2, a prefill step, a decode step and a mixed step, each
-#    plan printed whole,
+# 1. a real engine's steps on SmolLM2, prefill steps and decode steps, each plan printed whole,
 # 2. every plan built by hand from the batch and the block tables first, and asserted equal to
 #    the engine's, step after step,
-# 3. the addressing gates (`plan.py`'s `check_window_intact`, `check_plan_addressing`) on
-#    those plans, and a check of our own for prompt rows, which the package's gate does not
-#    cover,
-# 4. the gates refusing plans built wrong: a slot outside its table, a write to another row's
+# 3. two checks of our own that read nothing but the plan and the block tables: every window
+#    agrees with its table, and every row's span is in order and written where it should be,
+# 4. the checks refusing plans built wrong: a slot outside its table, a write to another row's
 #    slot, positions out of order,
 # 5. what a plan holds per kind of step, over a longer workload (`days/day25/planbench.py`),
 # 6. the diagram.
 
 # %%
-import csv
 import dataclasses
+import inspect
 import sys
 
 import matplotlib
@@ -49,12 +47,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
-from nanoserve.config import EngineConfig
+from nanocourse import REPO, diagram_path, engine_config, read_csv
 from nanoserve.engine import Engine
-from nanoserve.errors import GateError
 from nanoserve.models import load_model
-from nanoserve.plan import PrefillPlan, StepPlan, check_plan_addressing, check_window_intact
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model
@@ -65,26 +60,29 @@ import planbench  # the day's script: its per-kind sizes, and the table it wrote
 torch.set_num_threads(1)
 MODEL_DIR = fetch_default_model()
 model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
-BS, BUDGET = 4, 12  # small blocks and a small step budget: every kind of step within 5 steps
+BS = 4  # small blocks: a short prompt already owns several
 per_block = model.cfg.kv_bytes_per_token(model.dtype) * BS
-config = EngineConfig(block_size=BS, max_num_batched_tokens=BUDGET, max_batch=4, max_model_len=128,
-                      kv_budget=64 * per_block)  # fmt: skip
+# the engine as of today: static batches (Day 22), attention by gather, the model's own linears;
+# the default step budget of 512 tokens takes every prompt here whole (its add_request and step
+# are the loop Day 34 builds its API on)
+config = engine_config(25, block_size=BS, max_batch=4, max_model_len=128, kv_budget=64 * per_block)
 eng = Engine(model, tok, config)
 ARRIVALS = {0: ["Rain falls from the sky when", "The moon is"],
             2: ["A recipe for bread needs flour, water, salt and yeast"]}  # fmt: skip
 for step, texts in ARRIVALS.items():
     for t in texts:
         print(f"step {step}: {len(tok.encode(t)):>2} tokens  {t!r}")
-print(f"blocks of {BS} tokens, a step budget of {BUDGET} tokens, schedule {config.schedule!r}")
+print(f"blocks of {BS} tokens, a step budget of {config.max_num_batched_tokens} tokens, "
+      f"schedule {config.schedule!r}")  # fmt: skip
 
 # %% [markdown]
 # ## 1. and 2. Every plan, built by hand first
 #
-# The hand-built plan starts from what the scheduler hands the runner, a `Batch`: decode rows
-# (a sequence whose prompt is in the cache, one token: its newest) and prompt chunks (a
-# sequence and a range of its positions). `Batch.as_chunks` writes both as chunks, decode rows
-# first, a decode row being the chunk `[len - 1, len)`. From each chunk and the sequence's
-# block table:
+# The hand-built plan starts from what the engine's static schedule hands the runner (Day 26
+# opens the scheduler), a `Batch`: either decode rows (a sequence whose prompt is in the
+# cache, one token: its newest) or prompt chunks (a sequence and a range of its positions,
+# here always its whole prompt). `Batch.as_chunks` writes both as chunks, a decode row being
+# the chunk `[len - 1, len)`. From each chunk and the sequence's block table:
 #
 # * its tokens, and their positions `start .. end - 1`, go on the end of the flat row;
 # * position `p` lives in slot `blocks[p // block_size] * block_size + p % block_size`, where
@@ -112,159 +110,113 @@ def plan_by_hand(batch, bs):
     for seq, _, _ in chunks:
         blocks = seq.block_table.blocks + [0] * (width // bs - len(seq.block_table.blocks))
         window.append([blocks[j // bs] * bs + j % bs for j in range(width)])
-    mine = {"input_ids": ids, "positions": pos, "write_slots": slots,
+    return {"input_ids": ids, "positions": pos, "write_slots": slots,
             "context_lens": [e for _, _, e in spans], "slot_window": window,
             "logits_at": [n1 - 1 for _, n1, _ in spans], "row_spans": spans}  # fmt: skip
-    if not batch.is_decode:  # a prefill or mixed plan says how many of its rows are decode rows
-        mine["num_decode"] = len(batch.decode)
-        mine["decode_width"] = max((len(s.token_ids) for s in batch.decode), default=0)
-    return mine
 
 
 def as_lists(plan, fields):
     return {f: v.tolist() if isinstance(v := getattr(plan, f), torch.Tensor) else v for f in fields}
 
 
-seen = []  # (step, kind, batch summary, the engine's plan, gates run on it)
+seen = []  # (step, kind, batch summary, the engine's plan, its rows' block tables then)
 build = eng.runner.plan
 
 
 def planned(batch):
-    """The runner's plan, after checking it against the hand-built one and running the gates."""
+    """The runner's plan, after checking it against the hand-built one."""
     mine = plan_by_hand(batch, BS)
     plan = build(batch)
     theirs = as_lists(plan, mine)
     assert theirs == mine, {f: (mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]}
-    check_window_intact(plan)  # every row's window is its block table's slots, up to its length
-    gates = ["check_window_intact"]
-    if plan.is_decode:  # one token per row: the rule check_plan_addressing states
-        check_plan_addressing(plan)
-        gates.append("check_plan_addressing")
     chunks = [(s.request_id, a, b) for s, a, b in batch.chunks]
     decode = [s.request_id for s in batch.decode]
-    seen.append((len(seen), planbench.kind_of(batch), decode, chunks, plan, gates))
+    seen.append((len(seen), planbench.kind_of(batch), decode, chunks, plan, planbench.tables_of(plan)))
     return plan
 
 
 eng.runner.plan = planned
 for step in range(5):
     for t in ARRIVALS.get(step, []):
-        eng.add_request(t, SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.add_request(t, SamplingParams(max_tokens=3, ignore_eos=True))
     eng.step()
-for step, kind, decode, chunks, _, gates in seen:
-    print(f"step {step}: {kind:<8} decode rows {decode}, chunks {chunks}; equal to the hand-built plan; "
-          f"{', '.join(gates)} passed")  # fmt: skip
-print("step_kinds:", eng.step_kinds)
-assert [k for _, k, *_ in seen] == ["prefill", "decode", "mixed", "mixed", "decode"]
+for step, kind, decode, chunks, *_ in seen:
+    print(f"step {step}: {kind:<8} decode rows {decode}, chunks {chunks}; equal to the hand-built plan")
+assert [k for _, k, *_ in seen] == ["prefill", "decode", "decode", "prefill", "decode"]
 
 # %% [markdown]
 # Five steps, five plans, each equal field by field to the one built from the batch and the
-# block tables in the cell above, and each passing the gates that apply to it. Step 0 packs
-# both prompts (Day 23), step 1 decodes both rows (Day 24), and the third request arrives
-# before step 2: the two decode rows take 2 tokens of the budget and its prompt gets the other
-# 10, so step 2 is mixed, and so is step 3, with the decode rows again and the prompt's last 2
-# tokens. Step 4 decodes all three. Here are the plans of steps 0, 2 and 4 in full:
+# block tables in the cell above. Step 0 packs both prompts (Day 23) and steps 1 and 2 decode
+# both rows (Day 24). The third request arrives before step 2, but the static schedule admits
+# nobody into a running batch: it waits until both rows have their 3 tokens, and step 3 is a
+# new batch of one, its prompt packed alone, step 4 its first decode. Here are the plans of
+# steps 0, 2 and 3 in full:
 
 # %%
 FIELDS = ["input_ids", "positions", "write_slots", "context_lens", "logits_at", "row_spans"]
 
 
-def show(step):
+def show_plan(step):
     _, kind, decode, chunks, plan, _ = seen[step]
     print(f"--- step {step}, {kind}: {type(plan).__name__}, is_decode={plan.is_decode}, "
           f"{plan.num_tokens} tokens, {len(plan.rows)} rows")  # fmt: skip
     for f in FIELDS:
         print(f"  {f:<13}", as_lists(plan, [f])[f])
-    if isinstance(plan, PrefillPlan):
+    if not plan.is_decode:
         print(f"  {'chunks':<13}", [(s.request_id, a, b) for s, a, b in plan.chunks])
-        print(f"  {'num_decode':<13}", plan.num_decode, "| decode_width", plan.decode_width)
     print(f"  {'slot_window':<13}", tuple(plan.slot_window.shape))
     for r, s in enumerate(plan.rows):
         print(f"    row {r} ({s.request_id}): {plan.slot_window[r].tolist()}")
 
 
-for step in (0, 2, 4):
-    show(step)
+for step in (0, 2, 3):
+    show_plan(step)
 
 # %% [markdown]
 # What to read in them:
 #
 # * **The flat row.** `input_ids`, `positions` and `write_slots` have one entry per token the
-#   step computes (9, 12 and 3 here); everything else has one per row. A prefill row can have
-#   many tokens, a decode row has one, and a mixed plan has both: in step 2 the two decode rows
-#   come first, each a one-token span, then the new prompt's 10-token chunk.
+#   step computes (9, 2 and 12 here); everything else has one per row. A prefill row has a
+#   prompt's tokens, a decode row has one.
 # * **Positions restart per row** and say where each token sits in its own sequence; in the
 #   decode rows they are each sequence's length minus one. `context_lens` is the end of each
 #   row's chunk: everything up to and including its last new token.
-# * **Slots** are block arithmetic. In step 4 req-2 (the bread prompt) writes its newest token,
-#   position 12, to slot 32: 12 // 4 = 3 picks its fourth block, block 8, and 12 % 4 = 0 its
-#   first slot, 8 x 4 + 0.
+# * **Slots** are block arithmetic. In step 2 req-1 (the moon prompt) writes its newest token,
+#   position 4, to slot 12: 4 // 4 = 1 picks its second block, block 3, which the scheduler
+#   gave it for this very token, and 4 % 4 = 0 its first slot, 3 x 4 + 0.
 # * **The window is the only 2-D tensor**, rows by W. W is set by the row with the most blocks,
 #   and shorter rows are padded with block 0's slots, which `context_lens` hides.
-# * **A mixed plan is a prefill plan** (`PrefillPlan`, with `chunks`, `num_decode` and
-#   `decode_width`) whose first `num_decode` rows are decode rows; the cache batches those rows
-#   the way a decode step does, over windows cut to `decode_width`. A pure decode plan is the
-#   base `StepPlan` with `is_decode` set, and nothing else: its fields are exactly what a
-#   captured decode graph binds (Day 50).
+# * **A prefill plan is a `PrefillPlan`**, which also keeps the chunks it was built from; a
+#   decode plan is the base `StepPlan` with `is_decode` set, and nothing else. (Day 57's mixed
+#   step is a prefill plan whose first rows are decode rows.)
 #
-# ## 3. The gates, and what they cover
+# ## 3. Two checks of a plan
 #
-# `plan.py` holds three checks, written on Day 54 for captured decode steps.
-# `check_mapping_is_window` is about the slot table of the bucketed path (Day 51) and has no
-# table to check here. `check_window_intact` holds for every plan: each row's window agrees
-# with its block table at every position it attends to. `check_plan_addressing` says a row at
-# position p attends over p + 1 positions and writes where its window puts p; it reads one
-# position per row, `positions[r]`, which is the row's position only when every row has one
-# token. On a prefill plan it reads the wrong entries:
+# Whatever goes wrong in addressing goes wrong in the plan, so a plan can be checked before
+# any forward reads it, from nothing but itself and the block tables. `planbench` holds two
+# such checks, run on every plan the script builds. `check_windows`: each row's window agrees
+# with its block table at every position the row attends to. `check_spans`: a row whose span
+# holds n tokens and whose context is c has positions c - n to c - 1 in order, writes each where
+# its window maps that position, and samples at the end of its span; for a decode row (n = 1)
+# that is the rule that a row at position p attends over p + 1 positions. (A finished request's
+# block table is emptied when its blocks go back, so `planned` kept a copy of each plan's tables
+# as it was built, `planbench.tables_of`, and the cells below check against those.)
 
 # %%
-prefill_plan = seen[0][4]
-try:
-    check_plan_addressing(prefill_plan)
-    print("check_plan_addressing passed the prefill plan")
-except GateError as e:
-    print("check_plan_addressing on a correct prefill plan:", e)
-
-# %% [markdown]
-# So on prompt rows it cannot be used at all: the plan above is correct. The rule it states
-# does extend to ragged rows, though, span by span: a row whose span holds n tokens and whose
-# context is c has positions c - n to c - 1 in order, writes each where its window maps that
-# position, and samples at the end of its span. Written as a gate of our own, and checked to
-# pass on every plan the engine built:
-
-
-# %%
-def check_spans(plan: StepPlan) -> None:
-    """Each row's span holds consecutive positions ending at its context, each written where the
-    row's window maps it, and the row samples at its span's last token."""
-    pos, writes, ctx = plan.positions.tolist(), plan.write_slots.tolist(), plan.context_lens.tolist()
-    logits_at = plan.logits_at.tolist()
-    for r, (start, end, c) in enumerate(plan.row_spans):
-        if c != ctx[r]:
-            raise GateError(f"row {r}'s span ends its context at {c}, but context_lens says {ctx[r]}")
-        want = list(range(c - (end - start), c))
-        if pos[start:end] != want:
-            raise GateError(f"row {r} holds positions {pos[start:end]}, not {want[0]}..{want[-1]} in order")
-        for i, p in zip(range(start, end), want):
-            if writes[i] != plan.slot_window[r, p].item():
-                raise GateError(f"row {r} writes position {p} to slot {writes[i]}, its window says "
-                                f"{plan.slot_window[r, p].item()}")  # fmt: skip
-        if logits_at[r] != end - 1:
-            raise GateError(f"row {r} samples token {logits_at[r]}, not its last, {end - 1}")
-
-
-for *_, plan, _ in seen:
-    check_spans(plan)
-print(f"check_spans passed on all {len(seen)} plans")
+print(inspect.getsource(planbench.check_windows))
+print(inspect.getsource(planbench.check_spans))
+for *_, plan, tables in seen:
+    planbench.check_windows(plan, tables)  # the tables as they were when the plan was built
+    planbench.check_spans(plan)
+print(f"check_windows and check_spans passed on all {len(seen)} plans")
 
 # %% [markdown]
 # ## 4. Plans built wrong
 #
-# Each planted plan is a copy of one the engine built, with one thing changed, and each gate
-# runs on it. Four mistakes: a window entry pointing outside the row's table, a decode row
+# Each planted plan is a copy of one the engine built, with one thing changed, and both checks
+# run on it. Four mistakes: a window entry pointing outside the row's table, a decode row
 # writing into another row's slot, a prompt chunk with two positions swapped, and a decode row
-# one position off. The gates that apply to each kind of plan run on it, and each either
-# refuses it or passes it:
+# one position off:
 
 
 # %%
@@ -277,88 +229,83 @@ def planted(step, change):
     return copy
 
 
-other = seen[4][4].write_slots[0].item()  # req-0's newest slot in step 4
+other = seen[2][4].write_slots[0].item()  # req-0's newest slot in step 2
 cases = {  # name: (step, change)
-    "window slot outside the table (decode, row 1)": (4, lambda p: p.slot_window[1, :1].fill_(200)),
-    "write into another row's slot (decode, row 2)": (4, lambda p: p.write_slots[2:3].fill_(other)),
-    "positions swapped (mixed, chunk)": (2, lambda p: p.positions[2:4].copy_(p.positions[[3, 2]])),
-    "position one off (decode, row 1)": (4, lambda p: p.positions[1:2].add_(1)),
+    "window slot outside the table (decode, row 1)": (2, lambda p: p.slot_window[1, :1].fill_(200)),
+    "write into another row's slot (decode, row 1)": (2, lambda p: p.write_slots[1:2].fill_(other)),
+    "positions swapped (prefill, chunk)": (0, lambda p: p.positions[2:4].copy_(p.positions[[3, 2]])),
+    "position one off (decode, row 1)": (2, lambda p: p.positions[1:2].add_(1)),
 }  # fmt: skip
-gates = {"check_window_intact": check_window_intact, "check_plan_addressing": check_plan_addressing,
-         "check_spans": check_spans}  # fmt: skip
+checks = {"check_windows": planbench.check_windows, "check_spans": planbench.check_spans}
 verdicts = {}
 for name, (step, change) in cases.items():
-    bad = planted(step, change)
+    bad, tables = planted(step, change), seen[step][5]
     print(f"{name}:")
-    for gname, gate in gates.items():
-        if gname == "check_plan_addressing" and not bad.is_decode:
-            continue  # one position per row: not a rule for prompt rows (above)
+    for cname, check in checks.items():
         try:
-            gate(bad)
-            verdicts[name, gname] = "passed"
-            print(f"  {gname}: passed")
-        except GateError as e:
-            verdicts[name, gname] = "refused"
-            print(f"  {gname}: refused, {e}")
-for step, *_ in seen:  # the engine's own plans are untouched by the planting
-    check_spans(seen[step][4])
+            check(bad, tables) if cname == "check_windows" else check(bad)
+            verdicts[name, cname] = "passed"
+            print(f"  {cname}: passed")
+        except AssertionError as e:
+            verdicts[name, cname] = "refused"
+            print(f"  {cname}: refused, {e}")
+for *_, plan, _ in seen:  # the engine's own plans are untouched by the planting
+    planbench.check_spans(plan)
 assert all(any(v == "refused" for (n, _), v in verdicts.items() if n == name) for name in cases)
 
 # %% [markdown]
-# Every planted plan is refused by at least one gate, and no gate catches everything.
-# `check_window_intact` looks only at windows: it names slot 200 in row 1, which no block of
-# row 1 holds, and passes the three plans whose windows are right. `check_plan_addressing`
-# catches the wrong write and the position one off, passes the bad window (it reads one window
-# entry per row, at the row's own position), and cannot look at the mixed plan. `check_spans`
-# catches what `check_plan_addressing` does, on any kind of plan, including the swapped
-# positions inside a prompt chunk, which no package gate looks at; it does not compare windows
-# with block tables, so it passes the bad window.
+# Every planted plan is refused by at least one check, and neither catches everything.
+# `check_windows` looks only at windows: it names slot 200 in row 1, which no block of row 1
+# holds, and passes the three plans whose windows are right. `check_spans` catches the wrong
+# write, the swapped positions inside a prompt chunk and the position one off; it does not
+# compare windows with block tables, so it passes the bad window (its write still goes where
+# the bad window says position 4 is, and the bad entry is at position 0).
 #
 # The swapped positions are the case a forward would never notice. Nothing in the model checks
 # that positions are in order: the two tokens' keys are rotated for each other's positions and
 # written to each other's slots, the logits come out finite, and the next step reads K/V that
-# never belonged where it sits.
+# never belonged where it sits. (Day 54 builds the package's own checks of a plan, for
+# captured steps, on the same rules.)
 #
 # ## 5. What a plan holds, by kind of step
 #
 # `planbench` runs 16 requests (prompts of 8 to 200 tokens, 8 to 48 new tokens, one arriving
-# every 3 steps) through an engine with 16-token blocks, 8 rows and a step budget of 64 tokens,
-# under the default policy and under prefill-first, and records every plan's sizes, gating
-# each as the notebook did. The tiny random-weight model stands in for SmolLM2: with
+# every 3 steps) through the engine as of today with 16-token blocks, 8 rows and a step budget
+# of 2,048 tokens (room for a whole static batch's prompts), and records every plan's sizes,
+# checking each as the notebook did. The tiny random-weight model stands in for SmolLM2: with
 # `ignore_eos` the schedule depends on the lengths alone. The sizes of the largest plan of each
-# kind, and the gates that passed (`days/day25/day-25-plans.csv`; `build_us`, the mean time to
+# kind, and the checks that passed (`days/day25/day-25-plans.csv`; `build_us`, the mean time to
 # build one plan, is this machine's):
 
 # %%
-with open(planbench.CSV_PLANS) as f:
-    committed = list(csv.DictReader(f))
-keys = ["schedule", "kind", "steps", "tokens_max", "rows_max", "largest_width", "per_token_bytes",
-        "per_row_bytes", "window_bytes", "window_share", "gates_passed", "build_us"]  # fmt: skip
+committed = read_csv(planbench.CSV_PLANS)
+keys = ["kind", "steps", "tokens_max", "rows_min", "rows_max", "largest_rows", "largest_width",
+        "per_token_bytes", "per_row_bytes", "window_bytes", "window_share", "checks_passed",
+        "build_us"]  # fmt: skip
 print(" | ".join(keys))
 for r in committed:
     print(" | ".join(r[k] for k in keys))
-for r in committed:  # every decode plan passed two gates, every other plan one
-    per = 2 if r["kind"] == "decode" else 1
-    assert int(r["gates_passed"]) == per * int(r["steps"])
+for r in committed:  # every plan passed both checks
+    assert int(r["checks_passed"]) == 2 * int(r["steps"])
 
 # %% [markdown]
 # The per-token tensors grow with the step's tokens, 24 bytes a token, and the per-row ones
-# with its rows, 16 bytes a row; the window grows with rows times the widest context and is
-# most of every plan but a lone prompt's. A decode step of 8 rows carries 192 bytes of tokens
-# and 13,312 bytes of window, 97.7% of the plan. That is why Day 51 will keep the windows in a
-# slot table written in place as sequences grow, a decode step's window a view on it, instead
-# of rebuilding
-# it, and why the native kernel of phase 6 reads the K/V in place through the window instead of
-# gathering a padded copy of it. Under the default policy most prompt work rode in mixed steps
-# (37 mixed against 2 pure prefill steps), whose plans carry both a chunk's tokens and every
-# decode row's window; prefill-first ran the same requests in 34 prefill and 82 decode steps.
+# with its rows, 16 bytes a row; the window grows with rows times the widest context. A decode
+# step of 7 rows carries 168 bytes of tokens and 11,648 bytes of window, 0.977 of the plan; the
+# largest prefill step, a static batch's 836 prompt tokens in 7 rows, is the one plan where the
+# tokens weigh more (a `window_share` of 0.348). The static schedule shows in the counts too:
+# with one request arriving every 3 steps, the first batch held only the first request, the
+# next ones 8 and 7, so 3 prefill steps served all 16 prompts and 123 decode steps the rest.
+# That the window is most of every decode plan is why Day 51 keeps the windows in a slot table
+# written in place as sequences grow, instead of rebuilding them every step, and why Day 58's
+# native kernel reads the K/V in place through the window instead of gathering a padded copy.
 #
 # ## 6. The diagram
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
 colors = {"req-0": "tab:blue", "req-1": "tab:orange", "req-2": "tab:green"}
-for ax, step in zip((axes[0, 0], axes[0, 1], axes[1, 0]), (0, 2, 4)):
+for ax, step in zip((axes[0, 0], axes[0, 1], axes[1, 0]), (0, 2, 3)):
     _, kind, _, _, plan, _ = seen[step]
     n, (rows, width) = plan.num_tokens, plan.slot_window.shape
     # the flat row on top: one cell per token, its position inside, its write slot below
@@ -386,7 +333,7 @@ axes[0, 0].legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()
                   ["rain prompt", "moon prompt", "bread prompt"], fontsize=8, loc="center right")  # fmt: skip
 
 ax = axes[1, 1]
-labels = [f"{r['schedule']}\n{r['kind']}" for r in committed]
+labels = [r["kind"] for r in committed]
 parts = [("per_token_bytes", "tokens: ids, positions, slots", "tab:blue"),
          ("per_row_bytes", "rows: context_lens, logits_at", "tab:orange"),
          ("window_bytes", "slot_window", "tab:gray")]  # fmt: skip
@@ -400,7 +347,7 @@ ax.set_ylabel("KiB in the largest plan of the kind")
 ax.set_title("Where a plan's bytes are (day-25-plans.csv, 16 requests)", fontsize=10)
 ax.legend(fontsize=8)
 
-fig.suptitle("Day 25: the plans of a real engine's steps, SmolLM2, blocks of 4, budget 12", fontsize=13)
+fig.suptitle("Day 25: the plans of a real engine's steps, SmolLM2, blocks of 4, static batches", fontsize=13)
 fig.tight_layout()
 png = diagram_path("day25-step-plan.png")
 fig.savefig(png, dpi=100)
@@ -419,7 +366,7 @@ display(Image(filename=png))
 #   end), `seq_lens` (our `context_lens`), `block_table_tensor` (our block tables, where we
 #   expand to a window of slots) and `slot_mapping` (our `write_slots`). Each attention backend
 #   then builds its own metadata from it. The block table and its slot mapping live in
-#   persistent buffers of the runner's input batch, updated in place, the idea of Day 53.
+#   persistent buffers of the runner's input batch, updated in place, the idea Day 53 takes up.
 # * **SGLang**'s `ForwardBatch` (`python/sglang/srt/model_executor/forward_batch_info.py`)
 #   carries `input_ids`, `positions`, `out_cache_loc` (the write slots), `seq_lens`, and for
 #   prefill `extend_seq_lens`, `extend_prefix_lens` and `extend_start_loc`; which slots a
@@ -432,7 +379,7 @@ display(Image(filename=png))
 # * **llama.cpp** keeps it per token: a `llama_batch` holds each token's id, `pos`, `seq_id`s
 #   and a `logits` flag (our `logits_at`), and the context finds each token a KV cell
 #   (`find_slot`) before the graph runs.
-# * I found none of them running addressing gates like `plan.py`'s on every step; they rely on
+# * I found none of them running addressing checks like today's on every step; they rely on
 #   tests and on asserts along the way. vLLM's input batch does keep a CPU copy of each
 #   tensor next to the GPU one (`CpuGpuBuffer`), which is where such a check could read.
 
@@ -441,15 +388,14 @@ display(Image(filename=png))
 #
 # 1. **Break the hand-built plan.** In `plan_by_hand`, pad short windows with the row's own
 #    first block instead of block 0. Re-run section 2: the assert must fail at step 0, naming
-#    `slot_window`, while `check_window_intact` would still pass the engine's plan (padding is
+#    `slot_window`, while `planbench.check_windows` still passes the engine's plan (padding is
 #    outside every row's context). Which of the two is a rule of the engine and which is a rule
 #    of the package's implementation?
-# 2. **Make the package gate safe on prompt rows.** Write `check_addressing_any(plan)` that calls
-#    `check_plan_addressing` when `plan.is_decode` and `check_spans` otherwise; run it on all
-#    five plans (must pass) and on the four planted ones (must refuse all but the bad window).
-# 3. **A bigger budget, fewer mixed steps.** Run `python days/day25/planbench.py --budget 512
-#    --out /tmp/p.csv`: with the same requests, the mixed steps must fall and the largest
-#    prefill or mixed plan's `per_token_bytes` must rise toward 24 x its longest prompt.
-# 4. **Sample from the wrong token.** Set `logits_at[2] = 3` in a copy of step 2's plan and run
-#    `check_spans`: it must name row 2. Then run the model on it through `eng.cache.view(...)`:
-#    the forward succeeds, and the chunk's logits are those of its second token.
+# 2. **Sample from the wrong token.** Set `logits_at[0] = 3` in a copy of step 0's plan (use
+#    `planted`) and run `planbench.check_spans`: it must refuse it with "row 0 samples token 3,
+#    not its last, 5". Then run the model on it through `eng.cache.view(...)`: the forward
+#    succeeds, and row 0's logits are those of its prompt's fourth token.
+# 3. **Bigger static batches.** Run `python days/day25/planbench.py --max-batch 16 --out
+#    /tmp/p.csv`. Check: the prefill steps stay 3, since a static batch takes only the requests
+#    that have arrived when it forms (the second now holds 11, its `rows_max`), and
+#    `checks_passed` is still twice `steps` on both rows. Why do more rows not help here?

@@ -20,17 +20,22 @@
 # and no row generating past its end, a static batch still lasts as long as its longest
 # member, and the seats of the members that finish early stay empty until then. On the
 # benchmark's 64 requests in batches of 16, those empty seats added up to 3,851 row-steps,
-# almost as many as the 4,133 tokens generated. Day 26 gave the scheduler its three lists,
-# waiting, running and finished. Today the scheduler uses them every step: a request that
-# finishes leaves at once, and the next waiting request takes its seat in the very next step,
-# its prompt computed in the same step as everyone else's next token.
+# almost as many as the 4,133 tokens generated. Day 26 built the scheduler's three lists,
+# waiting, running and finished, and the policy that moves requests between them at every
+# step, `schedule="prefill-first"`. Today measures what that buys against static batches: a
+# request that finishes leaves at once, and the next waiting request takes its seat at the
+# very next step.
 #
 # That is continuous batching (iteration-level scheduling, in the Orca paper's words): the
 # batch is not a group of requests but whatever is running during one step, decided again at
-# every step. In nanoserve it is the default policy, `schedule="budget"`; the static one stays
-# as `schedule="static"` so the two can run on the same requests.
+# every step. The engine as of today, `engine_config(27)`, runs it with prefill-first: a step
+# is all prefill or all decode, so a request that takes a freed seat has its prompt computed in
+# a step of its own, while the rows already running sit that step out, and decodes with them
+# from the next. The static policy stays as `schedule="static"`, so the two can run on the
+# same requests. (Day 57's `budget` policy puts a new prompt and the running rows' next tokens
+# in one mixed step.)
 #
-# 1. the two policies in a dozen lines of our own: which requests hold a seat in each step,
+# 1. the two policies in a dozen lines of our own: which requests each step computes,
 # 2. the same choices from the engine, step for step, and the requests drawn as a timeline,
 # 3. steps, tokens a step, wall time on the tiny model, and the tokens: equal between the two
 #    policies and to each request run alone,
@@ -40,7 +45,6 @@
 # 6. the diagram.
 
 # %%
-import csv
 import sys
 import time
 
@@ -52,7 +56,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line, throughput_workload
 from nanoserve.generate import greedy_tokens
 from nanoserve.scheduler import Scheduler
@@ -77,39 +81,45 @@ print("output lengths:", outputs)
 #
 # With a budget this large (512 tokens a step, the prompts at most 24) every prompt is computed
 # in the step its request is admitted, and that step also gives the request its first token.
-# So each step, every running request gets exactly one token, and a policy is only a rule for
-# when the waiting requests may take the free seats: static, only when every seat is free;
-# continuous, whenever one is.
+# A step computes either the prompts of the requests it admits, or one token for every running
+# request; each computed row gets one token either way. A policy is then a rule for when the
+# waiting requests may take the free seats: static, only when every seat is free; continuous,
+# whenever one is.
 
 
 # %%
 def seats(outputs, rows, continuous):
-    """Which requests (by index) hold a seat in each step."""
+    """Which requests (by index) each step computes: those it admits, or else all running."""
     waiting, running, steps = list(range(len(outputs))), {}, []
     while waiting or running:
+        admitted = []
         if continuous or not running:
-            while waiting and len(running) < rows:
-                running[waiting.pop(0)] = 0  # admitted: tokens so far
-        steps.append(sorted(running))
-        for i in list(running):
+            while waiting and len(running) + len(admitted) < rows:
+                admitted.append(waiting.pop(0))
+        for i in admitted:
+            running[i] = 0  # admitted: tokens so far
+        computed = admitted or sorted(running)  # a prefill step, or else a decode step
+        steps.append(sorted(computed))
+        for i in computed:
             running[i] += 1
             if running[i] == outputs[i]:
                 del running[i]  # finished: the seat is free for the next step
     return steps
 
 
-mine = {"static": seats(outputs, ROWS, False), "budget": seats(outputs, ROWS, True)}
+mine = {"static": seats(outputs, ROWS, False), "prefill-first": seats(outputs, ROWS, True)}
 for policy, steps in mine.items():
     occupancy = [len(s) for s in steps]
-    print(f"{policy:>6}: {len(steps)} steps, rows per step {''.join(map(str, occupancy))}")
-assert sum(map(len, mine["static"])) == sum(map(len, mine["budget"])) == sum(outputs)
+    print(f"{policy:>13}: {len(steps)} steps, rows per step {''.join(map(str, occupancy))}")
+assert sum(map(len, mine["static"])) == sum(map(len, mine["prefill-first"])) == sum(outputs)
 
 # %% [markdown]
 # Both policies compute the same 177 row-steps, one per generated token; what differs is how
 # they are packed into steps. Static batching runs four batches, each as long as its longest
-# output, and the rows per step fall from 4 toward 1 inside each; continuous batching keeps all
-# 4 seats filled until the queue runs dry and only then empties. Static takes 78 steps,
-# continuous 50.
+# output, and the rows per step fall from 4 toward 1 inside each. Continuous batching keeps the
+# seats filled until the queue runs dry; each time a seat frees, one step carries only the
+# newcomer's prompt (the 1s amid the 4s of its row counts) before all 4 decode together again. Static
+# takes 78 steps, continuous 59.
 #
 # ## 2. The engine's choices
 #
@@ -126,17 +136,19 @@ for policy in continuousbench.POLICIES:
     runs[policy] = continuousbench.run(engine, reqs)
     members = [s["members"] for s in runs[policy]["steps"]]
     assert members == mine[policy], f"{policy}: the engine's rows differ from seats()"
-    print(f"{policy:>6}: {len(members)} steps agree with seats(); step_kinds {engine.step_kinds}")
+    kinds = {k: engine.step_kinds[k] for k in ("prefill", "decode")}
+    print(f"{policy:>13}: {len(members)} steps agree with seats(); steps by kind {kinds}")
 
 # %% [markdown]
-# Under `budget` 12 of the 50 steps are mixed: a request admitted into a freed seat has its
-# prompt computed in the same step as the other rows' next tokens (Day 57's mixed step). Under
-# `static` no step mixes, since a batch's prompts all go in its first step and nobody joins
-# afterwards.
+# Under `static` a batch's prompts all go in its first step and nobody joins afterwards, so it
+# has 4 prefill steps, one per batch. Under `prefill-first` 12 of the 59 steps are prefill
+# steps: the first batch's, then one each time a request is admitted into a freed seat (two
+# requests share one when two seats free in the same step).
 #
 # Each request as a line, steps across: `-` waiting in the queue, `P` the step that computed
-# its prompt (and its first token), `D` a decode step, `.` the steps after it finished while
-# its batch ran on (static only; continuous has no batch to wait for).
+# its prompt (and its first token), `D` a decode step, `r` running but sitting out a step that
+# prefills someone else's prompt, `.` the steps after it finished while its batch ran on
+# (static only; continuous has no batch to wait for).
 
 
 # %%
@@ -149,8 +161,8 @@ def timeline(steps, n, static):
     lines = []
     for i in range(n):
         marks = "".join(
-            "-" if t < first[i] else "P" if t == first[i] else "D" if t <= last[i]
-            else "." if t <= batch_end[i] else " "
+            "-" if t < first[i] else "P" if t == first[i] else ("D" if i in steps[t] else "r")
+            if t <= last[i] else "." if t <= batch_end[i] else " "
             for t in range(len(steps))
         )  # fmt: skip
         lines.append(f"{i:>3} {marks}")
@@ -165,9 +177,9 @@ for policy in continuousbench.POLICIES:
 # %% [markdown]
 # Static's dots are Day 22's idle seats: request 1 finished after 3 tokens and its seat stayed
 # empty for the 19 steps its batch's longest member, request 2 with 22 tokens, still needed.
-# Under `budget` request 4 takes that seat in step 3, the step right after request 1's last
-# token. The last request in the queue, request 15, waits 57 steps under `static` and 35 under
-# `budget`.
+# Under `prefill-first` request 4 takes that seat in step 3, the step right after request 1's
+# last token, and the other three rows sit that step out (their `r`). The last request in the
+# queue, request 15, waits 57 steps under `static` and 43 under `prefill-first`.
 #
 # ## 3. Steps, tokens and time
 #
@@ -180,9 +192,9 @@ with torch.inference_mode():
     alone = [greedy_tokens(tiny, p, n) for p, n in reqs]
 for policy, got in runs.items():
     bad = [i for i, (a, b) in enumerate(zip(got["tokens"], alone)) if a != b]
-    print(f"{policy:>6}: {len(reqs) - len(bad)} of {len(reqs)} requests equal to the request run alone")
+    print(f"{policy:>13}: {len(reqs) - len(bad)} of {len(reqs)} requests equal to the request run alone")
     assert not bad
-assert runs["static"]["tokens"] == runs["budget"]["tokens"]
+assert runs["static"]["tokens"] == runs["prefill-first"]["tokens"]
 
 # %% [markdown]
 # Then the steps. `continuousbench.summary` turns a run into the numbers the script's table
@@ -192,19 +204,19 @@ assert runs["static"]["tokens"] == runs["budget"]["tokens"]
 
 # %%
 rows = {p: continuousbench.summary(p, got, ROWS, BUDGET, len(reqs)) for p, got in runs.items()}
-facts = ["steps", "prefill_steps", "decode_steps", "mixed_steps", "row_steps", "mean_rows", "seat_use",
+facts = ["steps", "prefill_steps", "decode_steps", "row_steps", "mean_rows", "seat_use",
          "mean_step_tokens", "generated"]  # fmt: skip
-print(f"{'':<8}" + "".join(f"{c:>17}" for c in facts))
+print(f"{'':<14}" + "".join(f"{c:>17}" for c in facts))
 for policy, r in rows.items():
-    print(f"{policy:<8}" + "".join(f"{r[c]:>17}" for c in facts))
-assert rows["static"]["generated"] == rows["budget"]["generated"] == sum(outputs)
+    print(f"{policy:<14}" + "".join(f"{r[c]:>17}" for c in facts))
+assert rows["static"]["generated"] == rows["prefill-first"]["generated"] == sum(outputs)
 
 # %% [markdown]
 # And the time, on the tiny model, each policy twice in turn, keeping its faster run. On a
 # model this small a step costs mostly its fixed Python and kernel-launch overhead (Day 49),
-# so fewer steps means less time, if not quite in proportion: a step that carries a new prompt
-# beside the decode rows costs a little more than one that only decodes. On SmolLM2, where a
-# step's cost grows with what it carries, the ratio is Day 33's to measure.
+# so fewer steps means less time, if not quite in proportion: a prefill step carries a whole
+# prompt and costs a little more than a decode step. On SmolLM2, where a step's cost grows
+# with what it carries, the ratio is Day 33's to measure.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -216,16 +228,17 @@ for _ in range(2):
         got = continuousbench.run(continuousbench.make_engine(tiny, policy, ROWS, BUDGET), reqs)
         best[policy] = min(best.get(policy, float("inf")), got["seconds"])
 for policy, seconds in best.items():
-    print(f"{policy:>6}: {seconds * 1000:.1f} ms, {sum(outputs) / seconds:.1f} tok/s, "
+    print(f"{policy:>13}: {seconds * 1000:.1f} ms, {sum(outputs) / seconds:.1f} tok/s, "
           f"{seconds / len(runs[policy]['steps']) * 1000:.2f} ms a step")  # fmt: skip
-print(f"budget against static: {best['static'] / best['budget']:.2f}x the tokens a second")
+print(f"prefill-first against static: {best['static'] / best['prefill-first']:.2f}x the tokens a second")
 
 # %% [markdown]
 # ## 4. A static batch admits only into an empty engine
 #
 # What makes the static policy static is one rule: nothing joins a batch that is running. The
 # check below reads it off a run: in every step that admitted anyone, no sequence may have been
-# running before it. Like every gate here it passes vacuously on a run that admits nothing.
+# running before it. Like any check read off a run, it passes vacuously on a run that admits
+# nothing.
 
 
 # %%
@@ -241,15 +254,15 @@ check_static_admission(runs["static"]["steps"])
 opened = [(t, s["admitted"]) for t, s in enumerate(runs["static"]["steps"]) if s["admitted"]]
 print("static: passes; batches open at (step, requests):", opened)
 try:
-    check_static_admission(runs["budget"]["steps"])
+    check_static_admission(runs["prefill-first"]["steps"])
 except AssertionError as e:
-    print("budget (continuous by design) fails it:", e)
+    print("prefill-first (continuous by design) fails it:", e)
 
 # %% [markdown]
 # The planted scheduler keeps the static name and its first batch, but when a member
 # finishes it lets the next waiting request into the freed seat, as if a half-empty batch
-# were a waste worth fixing. It is continuous batching again (prefill-first admission) under
-# the wrong name, and a benchmark of "static" batching with it would flatter the static side.
+# were a waste worth fixing. It is continuous batching again (Day 26's prefill-first admission)
+# under the wrong name, and a benchmark of "static" batching with it would flatter the static side.
 
 
 # %%
@@ -282,46 +295,48 @@ assert topped["tokens"] == runs["static"]["tokens"]
 # (64 requests, prompts of 16 to 256 tokens, outputs of 16 to 128) with 16 rows and the
 # default budget of 512 tokens, on the tiny model, each policy twice in turn. With prompts
 # this long a batch's prompts no longer fit one step, so static batches spend several
-# prefill steps before their first decode, and continuous batching's admissions are chunked
-# into the decode steps. The script asserts every request's tokens against the request alone
-# and writes `day-27-continuous.csv` and, step by step, `day-27-occupancy.csv`:
+# prefill steps before their first decode; under prefill-first the first batch does the same,
+# and after it each admission is a prefill step between decode steps. The script asserts
+# every request's tokens against the request alone and writes `day-27-continuous.csv` and,
+# step by step, `day-27-occupancy.csv`:
 
 # %%
-with open(continuousbench.CSV) as f:
-    table = list(csv.DictReader(f))
-cols = ["policy", "steps", "prefill_steps", "decode_steps", "mixed_steps", "row_steps", "mean_rows",
+table = read_csv(continuousbench.CSV)
+cols = ["policy", "steps", "prefill_steps", "decode_steps", "row_steps", "mean_rows",
         "seat_use", "mean_step_tokens", "generated", "same_as_alone"]  # fmt: skip
 print(" | ".join(cols))
 for r in table:
     print(" | ".join(r[c] for c in cols))
-with open(continuousbench.CSV_STEPS) as f:
-    occupancy = list(csv.DictReader(f))
+occupancy = read_csv(continuousbench.CSV_STEPS)
 full = throughput_workload(64, (16, 256), (16, 128), tiny.cfg.vocab_size, seed=0)
 assert all(int(r["generated"]) == sum(n for _, n in full) for r in table)
 
 # %% [markdown]
-# Continuous batching took 310 steps where static batches took 512, and kept 13.34 of the 16
-# seats busy on average against 8.1 (a seat use of 0.834 against 0.506). The row-steps are
+# Continuous batching took 346 steps where static batches took 512, and kept 11.95 of the 16
+# seats busy on average against 8.1 (a seat use of 0.747 against 0.506). The row-steps are
 # nearly the same, 4,136 against 4,146, because both compute each generated token once; the
-# few extra rows are prompt chunks that end short of their prompt's last token and so sample
-# nothing. Static's 17 prefill steps are its four batches' prompts in 512-token chunks, during
-# which rows whose prompts are already done wait for the others. The script's timing columns,
+# few rows beyond the 4,133 tokens are prompt chunks that end short of their prompt's last
+# token and so sample nothing. Static's 17 prefill steps are its four batches' prompts in
+# 512-token chunks, during which rows whose prompts are already done wait for the others.
+# Prefill-first has 42: the first batch's, then one for each seat or group of seats that frees,
+# each a step the running rows sit out. That is the price of keeping prefill and decode in
+# separate steps, and the part of the seats it leaves unused. The script's timing columns,
 # from its own run (this machine, shared, one thread):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 for r in table:
-    print(f"{r['policy']:>6}: {r['seconds']} s, {r['tok_s']} tok/s")
-s, b = table
-print(f"budget against static: {float(s['steps']) / float(b['steps']):.2f}x fewer steps, "
-      f"{float(b['tok_s']) / float(s['tok_s']):.2f}x the tokens a second")  # fmt: skip
+    print(f"{r['policy']:>13}: {r['seconds']} s, {r['tok_s']} tok/s")
+s, c = table
+print(f"prefill-first against static: {float(s['steps']) / float(c['steps']):.2f}x fewer steps, "
+      f"{float(c['tok_s']) / float(s['tok_s']):.2f}x the tokens a second")  # fmt: skip
 
 # %% [markdown]
 # ## 6. The diagram
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), gridspec_kw={"hspace": 0.4, "wspace": 0.22})
-colors = {"static": "tab:gray", "budget": "tab:green"}
+colors = {"static": "tab:gray", "prefill-first": "tab:green"}
 ax = axes[0, 0]
 for policy in continuousbench.POLICIES:
     occ = [s["rows"] for s in runs[policy]["steps"]]
@@ -334,7 +349,7 @@ ax.set_title(f"tiny model, {len(reqs)} requests, {ROWS} rows: occupancy per step
 ax.legend(fontsize=8, loc="lower left")
 
 ax = axes[0, 1]
-for policy, dy in (("static", -0.2), ("budget", 0.2)):
+for policy, dy in (("static", -0.2), ("prefill-first", 0.2)):
     steps = [s["members"] for s in runs[policy]["steps"]]
     for i in range(len(reqs)):
         live = [t for t, m in enumerate(steps) if i in m]
@@ -371,8 +386,8 @@ ax.set_ylim(1, 2000)
 ax.set_xticks(x, ["steps", "rows a step (of 16)", "tokens a step"])
 ax.set_title("the benchmark-sized run: steps taken and what a step carries (log)", fontsize=10)
 ax.legend(fontsize=8)
-fig.suptitle("Day 27: continuous batching (schedule=\"budget\") against static batches, same requests",
-             fontsize=13)  # fmt: skip
+fig.suptitle("Day 27: continuous batching (schedule=\"prefill-first\") against static batches, "
+             "same requests", fontsize=13)  # fmt: skip
 png = diagram_path("day27-continuous.png")
 fig.savefig(png, dpi=100, bbox_inches="tight")
 plt.close(fig)
@@ -390,7 +405,9 @@ display(Image(filename=png))
 #   runs every step: first the `running` requests, then new ones from `waiting` while the
 #   step's `max_num_batched_tokens` budget lasts and fewer than `max_num_seqs` are running;
 #   a finished request is removed in `update_from_output` after the step, freeing its seat for
-#   the next one. Our `budget` policy follows that order.
+#   the next one. V1 mixes prompt chunks and decode rows in that step; our prefill-first
+#   policy keeps them apart, as vLLM's V0 scheduler did by default (Day 57 builds the mixed
+#   order).
 # * **TensorRT-LLM** calls it in-flight batching, and its capacity scheduler policy says how
 #   boldly to admit: `GUARANTEED_NO_EVICT` admits a request only if the blocks for its whole
 #   output are there, `MAX_UTILIZATION` packs as many as fit now and may pause some later, and
@@ -405,15 +422,13 @@ display(Image(filename=png))
 #
 # ## Try it
 #
-# 1. **More rows than requests.** Rerun sections 1 and 2 with `ROWS = 16`: both policies must
-#    then take exactly `max(outputs)` steps (predict it from the printed lengths), and the
-#    check in section 4 must pass on both. Why does continuous batching gain nothing here?
+# 1. **More rows than requests.** Rerun sections 1 and 2 with `ROWS = 16`: everyone is admitted
+#    in step 0, so both policies must take exactly `max(outputs)` steps (22, from the printed
+#    lengths), and the check in section 4 must pass on both. Why does continuous batching gain
+#    nothing here?
 # 2. **A leak of one.** Change `TopsUp` so it refills a freed seat only once per batch. The
 #    check must still catch it; which step does it name?
-# 3. **Break the toy.** In `seats`, admit into free seats at the end of a step instead of the
-#    start (after the loop that hands out tokens). The comparison with the engine in section 2
-#    must fail for `budget`; at which step, and why does `static` still agree?
-# 4. **Budget too small.** Run the script with `--budget 32 --requests 16 --rows 4 --prompt-len
+# 3. **Budget too small.** Run the script with `--budget 32 --requests 16 --rows 4 --prompt-len
 #    4 24 --output-len 2 24 --out /tmp/c.csv --out-steps /tmp/s.csv`: prompts now need more
-#    than one step, `prefill_steps` of static and `mixed_steps` of budget change, and the
-#    tokens must still equal the requests alone (the script asserts it).
+#    than one step. Check: `prefill_steps` goes from section 3's 4 to 11 for static and from 12
+#    to 14 for prefill-first, and `same_as_alone` stays 16 for both (the script asserts it).

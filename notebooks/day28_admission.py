@@ -44,9 +44,12 @@
 # 4. `python -m nanoserve.bench admission`'s workload over a range of reserves,
 # 5. the same tokens whatever the reserve, on the tiny model and on SmolLM2,
 # 6. the diagram.
+#
+# The engine runs here as it stands today, `engine_config(28, ...)`: prefill-first steps, the
+# gather read of the pool, the model's own linears, and now the reserve. The `Engine` that steps
+# it in section 5 is ahead of us: day 34 builds its API (`add_request`, `step`, `generate`).
 
 # %%
-import csv
 import sys
 
 import matplotlib
@@ -56,7 +59,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, engine_config, read_csv, tiny_llama
 from nanoserve.bench import cpu_line, throughput_workload
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
@@ -70,12 +73,7 @@ import admitbench  # the day's script: its model-free driver, its reserves, the 
 torch.set_num_threads(1)  # the tiny model's steps are small; the machine is shared
 print(cpu_line())
 print("reserves compared:", list(admitbench.RESERVES))
-print("EngineConfig.watermark:", EngineConfig.watermark)
-
-
-def read_csv(name):
-    with open(admitbench.HERE / name) as f:
-        return list(csv.DictReader(f))
+print("watermark as of day 28:", engine_config(28).watermark, "(day 27:", engine_config(27).watermark, ")")
 
 
 # %% [markdown]
@@ -244,7 +242,7 @@ for name in ("last free blocks", "watermark"):
 # The script wrote the same counts (`day-28-tight.csv`):
 
 # %%
-tight_csv = read_csv("day-28-tight.csv")
+tight_csv = read_csv(admitbench.HERE / "day-28-tight.csv")
 for r in tight_csv:
     print(r)
 for name in ("last free blocks", "watermark"):
@@ -301,7 +299,7 @@ print(f"before b's admission: NoNextBlocks reserves {sched.reserve()} blocks; th
 # written by the script; its rows for no reserve and for 5% must be section 1's runs):
 
 # %%
-sweep = read_csv("day-28-sweep.csv")
+sweep = read_csv(admitbench.HERE / "day-28-sweep.csv")
 cols = ["reserve", "watermark", "share_blocks", "preemptions", "immediate", "recomputed_tokens", "steps"]
 print(" ".join(f"{c:>19}" for c in cols + ["prompt_tokens"]))
 for r in sweep:
@@ -340,9 +338,7 @@ small_reqs = throughput_workload(small.requests, small.prompt_len, small.output_
 tiny_runs = {}
 for name in admitbench.RESERVES:
     watermark, cls = admitbench.RESERVES[name]
-    cfg = admitbench.engine_config(name, small)
-    cfg.attention, cfg.linear = "gather", "plain"  # the engine as built in phase 3
-    engine = Engine(tiny, None, cfg)
+    engine = Engine(tiny, None, admitbench.config_for(name, small))  # engine_config(28, watermark=...)
     engine.scheduler.__class__ = cls
     watch = admitbench.Watch(engine.scheduler)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in small_reqs]
@@ -366,7 +362,7 @@ print(f"all {len(base)} requests' tokens equal under the three reserves; counts 
 # the tests' near-tie rule and its counts against `drive`'s; `day-28-admission.csv`:
 
 # %%
-smol = read_csv("day-28-admission.csv")
+smol = read_csv(admitbench.HERE / "day-28-admission.csv")
 facts = ["reserve", "kv_blocks", "preemptions", "immediate", "recomputed_tokens", "steps", "prompt_tokens",
          "same_tokens", "near_ties", "requests"]  # fmt: skip
 print(" | ".join(facts))
@@ -388,13 +384,12 @@ for r in smol:
 # On SmolLM2 the counts are the tiny model's exactly (asserted above, with `drive`'s): 10
 # preemptions without a reserve, 2 of them immediate; 5 with the watermark, none immediate; 5
 # with the shortcut, 1 immediate. All three reserves gave all 32 requests the same greedy tokens
-# as the default, and the near-tie rule had nothing to excuse. The times, from one run each on a
-# machine shared with other jobs, one thread: 47.0 s without a reserve against 47.7 s with it
-# (15.9 and 15.6 tokens a second for 746 tokens). The reserve saved 371 prompt tokens of
-# recomputation (3054 against 2683) and one step, and on a CPU at these batch sizes a step's
-# time is mostly reading the weights, which the saved prompt tokens do not change much: the two
-# times are equal within this machine's noise. The shortcut's 73.9 s for 210 steps, fewer than
-# either, is that noise too.
+# as the default, and the near-tie rule had nothing to excuse. The times, one run each on one
+# thread of a quiet machine, hardly move: 20.1 s without the reserve, 19.9 s with it and 20.5 s
+# for the shortcut, for the same 746 tokens and within 4 steps of each other (214, 213, 210).
+# What the reserve does change is the work: 371 prompt tokens of recomputation saved (3054
+# against 2683) and one step, and on a CPU at these batch sizes a step's time is mostly reading
+# the weights, which the saved prompt tokens do not change much.
 #
 # ## 6. The diagram
 
@@ -479,7 +474,7 @@ display(Image(filename=png))
 #   budget (`max_num_batched_tokens`) lasts, and asks the `KVCacheManager` for the blocks
 #   (`allocate_slots`); a request it cannot place stops admission for the step, so the queue
 #   stays first come first served. It also skips admission entirely in a step that had to
-#   preempt, as our budget policy does. The older V0 block manager
+#   preempt, as the mixed-step policy day 57 builds will. The older V0 block manager
 #   (`BlockSpaceManager.can_allocate`) kept `watermark_blocks = int(watermark * num_gpu_blocks)`
 #   free, with a `watermark` of 0.01, for the same reason as ours; recent V1 sources carry a
 #   watermark in the KV cache manager as well. 1% of a GPU pool of tens of thousands of blocks is
@@ -512,6 +507,3 @@ display(Image(filename=png))
 #    tight pool with it (`admitbench.drive`), with `b` given 12 prompt tokens instead of 15:
 #    `check_no_thrash` must now fail: `a` takes the last free block, and `b` is preempted when its
 #    own first generated token needs one. Why does a 13-token `b` not fail?
-# 4. **The budget policy.** Rerun section 2 with `admitbench.tight_pool`'s scheduler built with
-#    `policy="budget"` and `watermark=None`: `tests/test_faults.py` says nobody is preempted.
-#    Why does handing decode rows their blocks before admitting make the reserve matter less?

@@ -32,6 +32,10 @@
 # when it is admitted again all of them are prefilled as one long prompt and the step that
 # finishes them samples the next token. The client never sees the interruption, only a pause.
 #
+# The runs below build the engine as of today with `engine_config(29, ...)` (prefill-first, the
+# gather read of the pool, the model's own linears). The `Engine` that steps the scheduler is
+# ahead of us: day 34 builds its API (`add_request`, `step`, `generate`).
+#
 # 1. a pool too small for eight requests: every preemption, and who was picked,
 # 2. one preemption traced: the blocks, the queue, the counters, the readmission,
 # 3. the same in a few lines of our own, equal to the package's in every step,
@@ -41,7 +45,6 @@
 # 7. the diagram.
 
 # %%
-import csv
 import sys
 
 import matplotlib
@@ -51,7 +54,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, as_text, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler
@@ -74,7 +77,7 @@ for i, (p, n) in enumerate(REQS):
 
 
 def engine(blocks, caching=False):
-    """The phase-3 engine (prefill-first, 8 rows, budget 64) on `blocks` blocks of 4 tokens."""
+    """The engine as of day 29 (prefill-first, 8 rows, budget 64) on `blocks` blocks of 4 tokens."""
     return preemptbench.engine_for(tiny, None, blocks, T["block_size"], T["max_model_len"], caching)
 
 
@@ -314,8 +317,7 @@ for name, r in (("tight", tight), ("tight, prefix caching", cached)):
 # pool and on one of 12 blocks of 16 tokens (`day-29-runs.csv`, with the tiny runs above):
 
 # %%
-with open(preemptbench.HERE / "day-29-runs.csv") as f:
-    runs = list(csv.DictReader(f))
+runs = read_csv(preemptbench.HERE / "day-29-runs.csv")
 facts = ["run", "kv_blocks", "block_size", "prefix_caching", "preemptions", "recomputed_tokens",
          "readmission_tokens", "steps", "same_as_roomy", "near_ties", "requests"]  # fmt: skip
 print(" | ".join(facts))
@@ -327,8 +329,7 @@ for r in runs[:3]:
     assert (int(r["preemptions"]), int(r["recomputed_tokens"]), int(r["steps"])) == (
         len(got.preemptions), got.recomputed_tokens, got.steps)  # fmt: skip
 assert all(int(r["same_as_roomy"]) + int(r["near_ties"]) == int(r["requests"]) for r in runs)
-with open(preemptbench.HERE / "day-29-preemptions.csv") as f:
-    assert [{k: str(v) for k, v in vars(p).items()} for p in tight.preemptions] == list(csv.DictReader(f))
+assert as_text([vars(p) for p in tight.preemptions]) == read_csv(preemptbench.HERE / "day-29-preemptions.csv")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -340,9 +341,11 @@ for r in runs:
 # tight pool of 12 blocks (192 tokens, one whole context) has room for two of the eight at their
 # full length: 3 preemptions, 161 tokens thrown away and 164 computed on
 # readmission, and 103 steps where the roomy pool needed 36. All eight requests' 32 tokens equal
-# the roomy pool's, with no near-tie to excuse. In time, one run each on one thread of a shared
-# machine, the tight run took 16.3 s against 8.8 s: most of the extra is not the 164 recomputed
-# tokens but the steps, each one reading all the weights for a few rows instead of eight.
+# the roomy pool's, with no near-tie to excuse. In time, one run each on one thread of a machine
+# other jobs were loading heavily, the tight run took 94.5 s against 6.7 s; most of that ratio is
+# the load, which rose between the two runs. What the pool itself decides is the steps, 103
+# against 36, each one reading all the weights for a few rows instead of eight; beside them the
+# 164 recomputed tokens are a small part.
 #
 # ## 6. A preemption that forgets the generated tokens
 #
@@ -488,8 +491,5 @@ display(Image(filename=png))
 #    pool must hold one whole context, so the context drops to 96). Predict which request is
 #    preempted first and in which step; then check that `preemptbench.compare` still passes and
 #    that Day 26's invariants still hold in `schedtrace.run_trace`.
-# 3. **Sampled requests.** Give every request `SamplingParams(temperature=0.8, seed=i)` (edit
-#    `preemptbench.run`'s params). The tight and roomy pools must still stream the same tokens:
-#    each request draws from its own generator once per new token, and a recompute draws nothing.
-# 4. **Forget the counter.** Remove the `recomputed_tokens` line from `OurPreempt`: which assert
+# 3. **Forget the counter.** Remove the `recomputed_tokens` line from `OurPreempt`: which assert
 #    of section 3 fails first?

@@ -27,22 +27,23 @@
 # k - 1 ended. A position skipped leaves a hole in the cache that every later token attends
 # over; a position computed twice wastes budget. Neither is visible in the code that builds one
 # chunk, only in the sequence of chunks across steps. The second is what the other requests do
-# meanwhile. Under the `budget` policy the streams already decoding keep their one token a step
-# and the chunk gets the rest of the budget; under `prefill-first` a step that holds prompt work
-# holds nothing else, so the streams wait for every chunk in turn.
+# meanwhile. The engine runs as it stands today, `engine_config(30, ...)`: the `prefill-first`
+# schedule, where a step that holds prompt work holds nothing else, so the streams already
+# decoding wait for every chunk in turn; the gather read of the pool; the model's own linears.
+# A step that gives the streams their tokens and the chunk the rest of the budget comes later
+# (mixed steps, day 57), and the `Engine` that steps it all is day 34's API.
 #
-# 1. one 100-token prompt among three streams, chunk by chunk, under both policies,
+# 1. one 100-token prompt among three streams, chunk by chunk,
 # 2. the chunk boundaries in a few lines of our own, equal to the scheduler's at every budget,
 # 3. what one chunk computes: its plan, its mask, and its logits against an unchunked prefill,
 #    on the tiny model and on SmolLM2,
-# 4. the same tokens at every budget and under both policies,
+# 4. the same tokens at every budget,
 # 5. the streams' gaps, in steps (tiny) and in milliseconds (`days/day30/chunkbench.py` on
 #    SmolLM2),
 # 6. a chunk boundary off by one, both ways, and what catches it,
 # 7. the diagram.
 
 # %%
-import csv
 import sys
 import time
 
@@ -54,7 +55,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.generate import greedy_tokens
@@ -86,109 +87,93 @@ for rid, ids, n, arrive in REQS:
 # tokens, a chunk is `[start, end)` of a prompt.
 
 # %%
-runs = {}
-for policy in ("budget", "prefill-first"):
-    runs[policy] = run = chunkbench.run_workload(chunkbench.tiny_engine(tiny, policy, 16), REQS)
-    print(f"{policy}:")
-    for i, step in enumerate(run.spans[4:15], start=4):
-        decode = [r for r, _, _, k in step if k == "decode"]
-        chunks = [f"{r}[{a}, {b})" for r, a, b, k in step if k == "chunk"]
-        tokens = sum(b - a for _, a, b, _ in step)
-        print(f"   step {i:>2}: {tokens:>2} tokens | decode {decode} | chunks {chunks}")
-    print(
-        "   long's chunks:",
-        chunkbench.sizes(run.chunks("long")),
-        "| first token out of step",
-        run.token_step["long"][0],
-    )
-assert chunkbench.sizes(runs["budget"].chunks("long")) == "13x7+9"
-assert chunkbench.sizes(runs["prefill-first"].chunks("long")) == "16x6+4"
+run16 = chunkbench.run_workload(chunkbench.tiny_engine(tiny, "prefill-first", 16), REQS)
+for i, step in enumerate(run16.spans[4:15], start=4):
+    decode = [r for r, _, _, k in step if k == "decode"]
+    chunks = [f"{r}[{a}, {b})" for r, a, b, k in step if k == "chunk"]
+    tokens = sum(b - a for _, a, b, _ in step)
+    print(f"   step {i:>2}: {tokens:>2} tokens | decode {decode} | chunks {chunks}")
+print("long's chunks:", chunkbench.sizes(run16.chunks("long")), "| first token out of step",
+      run16.token_step["long"][0])  # fmt: skip
+assert chunkbench.sizes(run16.chunks("long")) == "16x6+4"
 
 # %% [markdown]
-# Under the budget policy each step gives the three streams their token first, so the chunk
-# gets 13 of the 16: seven chunks of 13 and a last one of 9, eight steps, and the streams never
-# miss one. Under prefill-first each chunk takes the whole budget, 16 x 6 + 4, seven steps, and
-# the streams get nothing in any of them. The long prompt's first token comes out of its last
-# chunk's step either way: step 12 against step 11.
+# Each chunk takes the whole budget, 16 x 6 + 4, seven steps (5 to 11), and the three streams
+# get nothing in any of them: a step with prompt work in it is all prompt. The long prompt's
+# first token comes out of its last chunk's step, step 11, and from step 12 on it decodes
+# beside the streams.
 #
 # ## 2. The boundaries in a few lines
 #
-# A chunk starts at `num_computed`, the tokens whose K/V is in the cache, and takes what the
-# budget leaves: the whole budget under prefill-first, the budget less the step's decode rows
-# under the budget policy. The engine sets `num_computed` to the chunk's end once the step has
-# run. One more rule, from `Sequence.needs_prefill`: a sequence missing only its newest token is
-# a decode row, so if a prompt ever has exactly one token left, that token goes as a decode row.
-# The function below takes how many other decode rows each step held and returns the long
-# prompt's chunks; it must equal the scheduler's at every budget of the day's table.
+# A chunk starts at `num_computed`, the tokens whose K/V is in the cache, and takes the whole
+# budget (the only prompt due here is the long one). The engine sets `num_computed` to the
+# chunk's end once the step has run. One more rule, from `Sequence.needs_prefill`: a sequence
+# missing only its newest token is a decode row, so if a prompt ever has exactly one token
+# left, that token goes as a decode row. The function below returns the long prompt's chunks;
+# it must equal the scheduler's at every budget of the day's table.
 
 
 # %%
-def my_chunks(n_prompt: int, budget: int, decode_rows: list[int], policy: str) -> list[tuple[int, int]]:
+def my_chunks(n_prompt: int, budget: int) -> list[tuple[int, int]]:
     """The chunks [start, end) of one prompt of n_prompt tokens, step by step."""
     chunks, done = [], 0
-    for rows in decode_rows:  # the other sequences' decode rows in each step since it arrived
-        if done >= n_prompt - 1:  # nothing or only the newest token left: not a chunk any more
-            break
-        room = budget - rows if policy == "budget" else budget
-        end = min(n_prompt, done + room)
+    while done < n_prompt - 1:  # nothing or only the newest token left: not a chunk any more
+        end = min(n_prompt, done + budget)
         chunks.append((done, end))
         done = end
     return chunks
 
 
-table, tiny_runs = chunkbench.step_table(tiny)  # every (policy, budget) of the day's CSV
-for (policy, budget), run in tiny_runs.items():
-    arrive = run.arrived_step["long"]
-    rows = [sum(k == "decode" and r != "long" for r, *_, k in step) for step in run.spans[arrive:]]
-    mine = my_chunks(100, budget, rows, policy)
-    theirs = [(a, b) for _, a, b in run.chunks("long")]
-    assert mine == theirs, f"{policy} at {budget}: mine {mine}, the scheduler's {theirs}"
+table, tiny_runs = chunkbench.step_table(tiny)  # every budget of the day's CSV
+for (_, budget), got in tiny_runs.items():
+    mine = my_chunks(100, budget)
+    theirs = [(a, b) for _, a, b in got.chunks("long")]
+    assert mine == theirs, f"at {budget}: mine {mine}, the scheduler's {theirs}"
+    assert [i for i, _, _ in got.chunks("long")] == list(range(5, 5 + len(mine)))  # one step after another
 print(f"{len(tiny_runs)} runs: my_chunks equals the scheduler's chunks in every one")
-print("budget 8, budget policy:  ", my_chunks(100, 8, [3] * 30, "budget")[:4], "...")
-print("budget 8, prefill-first:  ", my_chunks(100, 8, [3] * 30, "prefill-first")[:4], "...")
+print("budget 8:", my_chunks(100, 8)[:4], "...")
 
 # %% [markdown]
 # ## 3. What one chunk computes
 #
-# The plan of the step that runs the long prompt's second chunk under the budget policy. Its
-# three decode rows come first, one token each, and then the chunk: 13 tokens at positions 13
-# to 25, written to the slots its block table gives them, attending over 26 positions. The
-# allocator gave the prompt all 25 of its blocks when it was admitted, so the chunk only writes
-# into blocks it already owns (slots 49 to 61) and reads through its window the slots its first
-# chunk filled (36 to 48) as well.
+# The plan of the step that runs the long prompt's second chunk. It holds the chunk alone: 16
+# tokens at positions 16 to 31, written to the slots its block table gives them, attending over
+# 32 positions. The allocator gave the prompt all 25 of its blocks when it was admitted, so the
+# chunk only writes into blocks it already owns (slots 52 to 67) and reads through its window
+# the slots its first chunk filled (36 to 51) as well.
 
 # %%
-eng = chunkbench.tiny_engine(tiny, "budget", 16)
+eng = chunkbench.tiny_engine(tiny, "prefill-first", 16)
 for rid, ids, n, _ in REQS[:3]:
     eng.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), request_id=rid)
 for _ in range(5):
     eng.step()
 eng.add_request(REQS[3][1], SamplingParams(max_tokens=6, ignore_eos=True), request_id="long")
-eng.step()  # the first chunk, [0, 13)
+eng.step()  # the first chunk, [0, 16)
 batch = eng.scheduler.schedule()
 plan = eng.runner.plan(batch)
-print("chunks (decode rows first):", [(s.request_id, a, b) for s, a, b in batch.as_chunks()])
+print("chunks:", [(s.request_id, a, b) for s, a, b in batch.as_chunks()])
 print("positions:    ", plan.positions.tolist())
 print("write_slots:  ", plan.write_slots.tolist())
 print("context_lens: ", plan.context_lens.tolist(), "| row_spans:", plan.row_spans)
-long_seq = plan.rows[3]
-print("long's blocks:", long_seq.block_table.blocks, "| its window:", plan.slot_window[3, :26].tolist())
-assert plan.positions[3:].tolist() == list(range(13, 26)) and plan.context_lens[3].item() == 26
+long_seq = plan.rows[0]
+print("long's blocks:", long_seq.block_table.blocks, "| its window:", plan.slot_window[0, :32].tolist())
+assert plan.positions.tolist() == list(range(16, 32)) and plan.context_lens[0].item() == 32
 
 # %% [markdown]
-# Inside attention, the chunk's 13 queries read the 26 keys through the window, and query `i`,
-# at position `13 + i`, may see keys `0 .. 13 + i`. That is the mask `BatchedPagedKVCache`
+# Inside attention, the chunk's 16 queries read the 32 keys through the window, and query `i`,
+# at position `16 + i`, may see keys `0 .. 16 + i`. That is the mask `BatchedPagedKVCache`
 # builds for a prompt row, `arange(ctx) <= arange(ctx - n, ctx)[:, None]`, and it is the same
 # mask an unchunked prefill uses, cut to the chunk's rows. Built from the positions alone:
 
 # %%
-start, end, ctx = plan.row_spans[3]
+start, end, ctx = plan.row_spans[0]
 n = end - start
-mine = torch.arange(ctx)[None, :] <= plan.positions[start:end][:, None]  # (13, 26)
+mine = torch.arange(ctx)[None, :] <= plan.positions[start:end][:, None]  # (16, 32)
 theirs = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
 print("mask", tuple(mine.shape), "| keys each query sees:", mine.sum(1).tolist())
-for q in (0, 1, 12):
-    print(f"   query at position {13 + q:>2}: " + "".join("x" if v else "." for v in mine[q].tolist()))
+for q in (0, 1, 15):
+    print(f"   query at position {16 + q:>2}: " + "".join("x" if v else "." for v in mine[q].tolist()))
 assert torch.equal(mine, theirs)
 
 # %% [markdown]
@@ -231,9 +216,9 @@ LONG = REQS[3][1]
 with torch.inference_mode():
     whole = prefill_in_chunks(tiny, LONG, len(LONG))
     diffs = {c: (prefill_in_chunks(tiny, LONG, c) - whole).abs().max().item() for c in (8, 13, 16, 64)}
-    for policy, budget in (("budget", 16), ("prefill-first", 16), ("budget", 128)):
-        got, _ = engine_last_logits(chunkbench.tiny_engine(tiny, policy, budget), REQS, "long")
-        diffs[f"engine, {policy}, budget {budget}"] = (got - whole).abs().max().item()
+    for budget in (16, 128):
+        got, _ = engine_last_logits(chunkbench.tiny_engine(tiny, "prefill-first", budget), REQS, "long")
+        diffs[f"engine, budget {budget}"] = (got - whole).abs().max().item()
 for name, d in diffs.items():
     print(f"   chunks of {name}: max |logits - unchunked| {d:.1e}")
 assert max(diffs.values()) < 1e-5
@@ -260,7 +245,7 @@ SMOL_REQ = [("q", IDS, 10, 0)]
 
 
 def smol_engine(budget: int, scheduler_class=Scheduler):
-    engine = chunkbench.engine_for(smol, tok, "budget", budget, 16, "16MiB", 256)
+    engine = chunkbench.engine_for(smol, tok, "prefill-first", budget, 16, "16MiB", 256)
     engine.scheduler.__class__ = scheduler_class
     return engine
 
@@ -290,15 +275,13 @@ assert same and max(smol_diffs.values()) < 1e-3
 # %% [markdown]
 # ## 4. The same tokens at every budget
 #
-# `chunkbench.step_table` runs the tiny workload under both policies at budgets of 8 to 128
-# tokens (128 holds the whole prompt in one step), holds every run to `check_chunks_tile`, and
+# `chunkbench.step_table` runs the tiny workload at budgets of 8 to 128 tokens (128 holds the
+# whole prompt in one step), holds every run to `check_chunks_tile`, and
 # asserts that all four requests' greedy tokens equal `greedy_tokens`, the eager one-sequence
 # loop. Section 2 already ran it; its rows must be the CSV the script wrote:
 
 # %%
-with open(chunkbench.HERE / "day-30-steps.csv") as f:
-    steps_csv = list(csv.DictReader(f))
-assert [{k: str(v) for k, v in r.items()} for r in table] == steps_csv
+assert as_text(table) == read_csv(chunkbench.HERE / "day-30-steps.csv")
 cols = [
     "policy",
     "budget",
@@ -315,30 +298,27 @@ for r in table:
 assert all(r["same_as_eager"] == r["requests"] == 4 for r in table)
 
 # %% [markdown]
-# Ten runs, four requests each, every token equal to the eager loop's. The columns that differ
+# Five runs, four requests each, every token equal to the eager loop's. The columns that differ
 # are the schedule's. `chunks` falls as the budget grows, and so does `first_token_steps`, the
-# steps from the long prompt's arrival to its first token. It is larger under the budget policy
-# at the same budget (20 against 13 at a budget of 8) because the streams take 3 tokens of
-# every step. `max_gap_steps` is the longest wait any stream had between two tokens, counted in
-# steps: always 1 under the budget policy, and the number of chunks plus one under
-# prefill-first. `stalls` counts the stream-steps with no token (under prefill-first at a budget
-# of 8 it also catches the streams waiting for each other's prompts at the start).
+# steps from the long prompt's arrival to its first token (13 at a budget of 8, 1 at 128).
+# `max_gap_steps` is the longest wait any stream had between two tokens, counted in steps: the
+# number of chunks plus one, since the streams get nothing while the chunks run (14 at a budget
+# of 8, 2 at 128). `stalls` counts the stream-steps with no token (at a budget of 8 it also
+# catches the streams waiting for each other's prompts at the start). In steps, a smaller
+# budget only makes the streams' wait longer.
 #
 # ## 5. The gaps in milliseconds
 #
-# A step is not a unit of time, and this is where the two policies' trade shows. Under the
-# budget policy a stream never waits more than one step, but the steps during the long prompt
-# are mixed steps, slower than decode steps; under prefill-first it waits several steps, but
-# they are prompt steps only. `chunkbench.py` ran SmolLM2 (fp32, one thread): four chat streams
-# generating 14 tokens each, a 256-token prompt arriving before step 6, budgets 32, 64, 128 and
-# the default 512, which takes the prompt in one step. Every request's tokens were checked
+# A step is not a unit of time. A smaller budget makes the streams wait more steps, but each of
+# those steps carries fewer prompt tokens, so the question is what the wait comes to in
+# milliseconds. `chunkbench.py` ran SmolLM2 (fp32, one thread): four chat streams generating 14
+# tokens each, a 256-token prompt arriving before step 6, budgets 32, 64, 128 and the default
+# 512, which takes the prompt in one step. Every request's tokens were checked
 # against `greedy_tokens` and every run against `check_chunks_tile`.
 
 # %%
-with open(chunkbench.HERE / "day-30-chunked.csv") as f:
-    smol_rows = list(csv.DictReader(f))
-with open(chunkbench.HERE / "day-30-trace.csv") as f:
-    trace = list(csv.DictReader(f))
+smol_rows = read_csv(chunkbench.HERE / "day-30-chunked.csv")
+trace = read_csv(chunkbench.HERE / "day-30-trace.csv")
 cols = ["policy", "budget", "chunk_sizes", "max_gap_steps", "first_token_steps", "same_as_eager"]
 print(" | ".join(cols))
 for r in smol_rows:
@@ -351,25 +331,23 @@ for r in smol_rows:
 assert all(r["same_as_eager"] == r["requests"] for r in smol_rows)
 
 # %% [markdown]
-# The step columns repeat the tiny model's pattern: under the budget policy no stream ever
-# waits more than one step, under prefill-first a stream waits the number of chunks plus one.
-# The milliseconds show what a step costs. Under the budget policy the streams' longest gap is
-# one mixed step, so it grows with the budget: 599.6 ms at 32, 657.4 at 64, 909.9 at 128 and
-# 1751.1 at 512, where the whole prompt rides in one step with the four decode rows. Under
-# prefill-first the longest gap is the whole prompt's prefill plus a decode step, whatever the
-# chunks: 1988.9 to 2709.2 ms, no shorter at a budget of 32 than at 512. At a budget of 32 the
-# streams' longest gap is 4.2 times shorter under the budget policy (599.6 against 2531.7 ms).
-# Chunking alone does nothing for the streams; chunking with decode rows in every step does.
+# The step columns repeat the tiny model's pattern: a stream waits the number of chunks plus
+# one. The milliseconds say it more sharply. The streams' longest gap is the whole prompt's
+# prefill plus a decode step, and it grew as the chunks shrank: 2133.6 ms at 512, where the
+# prompt takes one step, 2908.6 at 128, 4032.2 at 64 and 4484.1 at 32. Each chunk is a step,
+# and each step pays a fixed cost (the weights read once, the Python around the model), so eight
+# chunks of 32 pay it eight times. The long prompt's own first token follows the same way:
+# 1892.5 ms at 512 against 4199.1 ms at 32. On this engine chunking alone does nothing for the
+# streams and costs the newcomer; what it buys is a bound on the step, which never carries more
+# than the budget, so no step needs activations for more tokens than that. Chunks start paying
+# the streams back only when a step can carry their decode rows beside a chunk: the mixed step
+# of day 57.
 #
-# The price is the long prompt's. Under the budget policy it gets what the streams leave, so a
-# smaller budget makes it wait longer: 4305.0 ms to its first token at a budget of 32 against
-# 1751.1 ms at 512. The machine was shared with other jobs (load average 4 to 5 on 2 cores)
-# while the script ran; each step's time is the fastest of three runs, which removes bursts but
-# not a steady load, so a difference of less than about 1.5x between two rows here is not
-# something I would defend. The p50 gaps (174.6 to 400.4 ms, all decode or mixed steps of four
-# rows) show the size of that noise.
-
-# %% [markdown]
+# The machine was shared with other jobs while the script ran; each step's time is the fastest
+# of two runs, which removes bursts but not a steady load. The median gaps (209.9 to 333.4 ms,
+# all decode steps of four rows) show the size of that noise; the longest gap at a budget of 32
+# is about twice the one at 512, well beyond it.
+#
 # ## 6. A boundary off by one
 #
 # Two schedulers built wrong, each in three lines: after a prompt's first chunk, every later
@@ -400,7 +378,7 @@ class RepeatsOne(Scheduler):
 eager = {rid: greedy_tokens(tiny, ids, n) for rid, ids, n, _ in REQS}
 caught = {}
 for variant in (Scheduler, SkipsOne, RepeatsOne):
-    wrong = chunkbench.tiny_engine(tiny, "budget", 16)
+    wrong = chunkbench.tiny_engine(tiny, "prefill-first", 16)
     wrong.scheduler.__class__ = variant
     run = chunkbench.run_workload(wrong, REQS)
     same = sum(run.tokens[r] == eager[r] for r in eager)
@@ -418,7 +396,7 @@ assert caught["Scheduler"] is None and caught["SkipsOne"] and caught["RepeatsOne
 
 # %% [markdown]
 # On the tiny model neither bug changes a single token, and only the repeat shows in the step
-# size (17 tokens against a budget of 16, which a budget check like Day 57's would catch). The
+# size (17 tokens against a budget of 16, which a check on each step's size would catch). The
 # tile check catches both, at the first sequence whose prompt takes two chunks: here the stream
 # `s2`, whose 6-token prompt was split 4 + 2 over steps 0 and 1, before `long` even arrived.
 # The tokens say nothing because the tiny model's weights are random and small: a few
@@ -452,28 +430,21 @@ for variant in (SkipsOne, RepeatsOne):
 COLORS = {"decode": "tab:blue", "chunk": "tab:orange"}
 fig, axes = plt.subplots(2, 2, figsize=(14, 9.5), gridspec_kw={"hspace": 0.42, "wspace": 0.25})
 ax = axes[0][0]
-for j, policy in enumerate(("budget", "prefill-first")):
-    run = runs[policy]
-    x = [i + (j - 0.5) * 0.4 for i in range(len(run.spans))]
-    dec = [sum(k == "decode" for *_, k in step) for step in run.spans]
-    chk = [sum(b - a for _, a, b, k in step if k == "chunk") for step in run.spans]
-    hatch = None if policy == "budget" else "//"
-    ax.bar(x, dec, 0.4, color=COLORS["decode"], hatch=hatch, edgecolor="white")
-    ax.bar(x, chk, 0.4, bottom=dec, color=COLORS["chunk"], hatch=hatch, edgecolor="white")
+dec = [sum(k == "decode" for *_, k in step) for step in run16.spans]
+chk = [sum(b - a for _, a, b, k in step if k == "chunk") for step in run16.spans]
+ax.bar(range(len(run16.spans)), dec, 0.7, color=COLORS["decode"], edgecolor="white")
+ax.bar(range(len(run16.spans)), chk, 0.7, bottom=dec, color=COLORS["chunk"], edgecolor="white")
 ax.axhline(16, color="crimson", lw=1, ls="--")
 ax.set_xlim(-0.8, 26)
-ax.set_xlabel("step (left bar of each pair: budget policy; right, hatched: prefill-first)")
+ax.set_xlabel("step (the long prompt arrives before step 5)")
 ax.set_ylabel("tokens in the step")
 ax.set_title("tiny model, budget 16: decode rows (blue) and prompt chunks (orange)", fontsize=10)
 
 ax = axes[0][1]
-for policy, color in (("budget", "tab:green"), ("prefill-first", "tab:gray")):
-    rows = [r for r in table if r["policy"] == policy]
-    b = [r["budget"] for r in rows]
-    ax.plot(b, [r["max_gap_steps"] for r in rows], "o-", color=color, label=f"{policy}: streams' longest gap")
-    ax.plot(
-        b, [r["first_token_steps"] for r in rows], "s--", color=color, label=f"{policy}: long prompt's wait"
-    )
+b = [r["budget"] for r in table]
+ax.plot(b, [r["max_gap_steps"] for r in table], "o-", color="tab:gray", label="streams' longest gap")
+ax.plot(b, [r["first_token_steps"] for r in table], "s--", color="tab:green",
+        label="long prompt's wait (= its chunks)")  # fmt: skip
 ax.set_xscale("log", base=2)
 ax.set_xticks([8, 16, 32, 64, 128], ["8", "16", "32", "64", "128"])
 ax.set_xlabel("max_num_batched_tokens")
@@ -482,45 +453,27 @@ ax.set_title("tiny model: a 100-token prompt among 3 streams, in steps", fontsiz
 ax.legend(fontsize=8)
 
 ax = axes[1][0]
-for j, policy in enumerate(("budget", "prefill-first")):
-    steps = [r for r in trace if r["policy"] == policy and r["budget"] == "64"]
-    kind = [
-        "mixed"
-        if int(r["chunk_tokens"]) and int(r["decode_rows"])
-        else "chunk"
-        if int(r["chunk_tokens"])
-        else "decode"
-        for r in steps
-    ]
-    color = {"decode": "tab:blue", "mixed": "tab:purple", "chunk": "tab:orange"}
-    x = [int(r["step"]) + (j - 0.5) * 0.4 for r in steps]
-    ax.bar(x, [float(r["step_ms"]) for r in steps], 0.4, color=[color[k] for k in kind],
-           hatch=None if policy == "budget" else "//", edgecolor="white")  # fmt: skip
-handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:purple", "tab:orange")]
-ax.legend(handles, ["decode only", "decode rows + chunk", "chunk only"], fontsize=8)
-ax.set_xlabel("step (left: budget policy; right, hatched: prefill-first)")
-ax.set_ylabel("ms (fastest of 3 runs)")
+steps = [r for r in trace if r["budget"] == "64"]
+kind = ["chunk" if int(r["chunk_tokens"]) else "decode" for r in steps]
+ax.bar([int(r["step"]) for r in steps], [float(r["step_ms"]) for r in steps], 0.7,
+       color=[COLORS[k] for k in kind], edgecolor="white")  # fmt: skip
+handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("decode", "chunk")]
+ax.legend(handles, ["decode rows only", "a prompt chunk only"], fontsize=8)
+ax.set_xlabel("step")
+ax.set_ylabel("ms (fastest of 2 runs)")
 ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
 ax.set_title("SmolLM2, budget 64: each step's time, a 256-token prompt arriving at step 6", fontsize=10)
 
 ax = axes[1][1]
-for policy, color in (("budget", "tab:green"), ("prefill-first", "tab:gray")):
-    rows = [r for r in smol_rows if r["policy"] == policy]
-    b = [int(r["budget"]) for r in rows]
-    ax.plot(
-        b, [float(r["gap_max_ms"]) for r in rows], "o-", color=color, label=f"{policy}: streams' longest gap"
-    )
-    ax.plot(
-        b,
-        [float(r["ttft_ms"]) for r in rows],
-        "s--",
-        color=color,
-        label=f"{policy}: long prompt's first token",
-    )
+b = [int(r["budget"]) for r in smol_rows]
+ax.plot(b, [float(r["gap_max_ms"]) for r in smol_rows], "o-", color="tab:gray", label="streams' longest gap")
+ax.plot(b, [float(r["ttft_ms"]) for r in smol_rows], "s--", color="tab:green",
+        label="long prompt's first token")  # fmt: skip
 ax.set_xscale("log", base=2)
 ax.set_xticks(b, [str(v) for v in b])
 ax.set_xlabel("max_num_batched_tokens")
 ax.set_ylabel("ms")
+ax.set_ylim(0, None)
 ax.set_title("SmolLM2: 4 streams and a 256-token prompt (shared 2-core CPU, 1 thread)", fontsize=10)
 ax.legend(fontsize=8)
 fig.suptitle("Day 30: a long prompt in chunks, and what the other streams wait", fontsize=13)
@@ -558,13 +511,12 @@ display(Image(str(out)))
 # %% [markdown]
 # ## Try it
 #
-# 1. Give the streams more rows: put a fourth stream in `chunkbench.tiny_requests` and predict
-#    the long prompt's chunks at budget 16 under the budget policy before running section 1
-#    (12 a step: how many chunks, and the last one's size?). `my_chunks` must still agree.
+# 1. **A second long prompt.** Append `("long2", chunkbench.tiny_prompt(98, 40), 6, 6)` to the
+#    requests and rerun section 1 at a budget of 16. Predict first, step by step, the chunks of
+#    both prompts (a prompt already running takes its chunk before anyone new is admitted, and
+#    the newcomer gets what the budget has left); then check with `run16.chunks("long2")`, and
+#    `chunkbench.check_chunks_tile(run16)` must pass.
 # 2. Plant the off-by-one in `my_chunks` instead (`chunks.append((done + 1, end))` after the
 #    first chunk). The comparison in section 2 should fail and name the first budget it breaks.
 # 3. Make `SkipsOne` skip only every other chunk boundary. `check_chunks_tile` should still
 #    name the step; does SmolLM2's answer still change?
-# 4. Run `python days/day30/chunkbench.py --budgets 16,512 --prompt-len 384` and check in
-#    `day-30-chunked.csv` that the budget policy's `gap_max_ms` grows with the budget while
-#    prefill-first's stays near the prompt's whole prefill time.

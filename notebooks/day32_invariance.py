@@ -27,7 +27,9 @@
 # at the first differing position are within `TIE` = 1e-4 of each other.
 #
 # Today measures how far the logits move, how close the nearest call is, and what the excuse is
-# worth: how wide it may be before it passes a real bug as a near-tie.
+# worth: how wide it may be before it passes a real bug as a near-tie. Every engine here is the
+# one of today, `engine_config(32, ...)` (prefill-first steps, the gather read of the pool, the
+# model's own linears), stepped through the `Engine` API that day 34 builds.
 #
 # 1. one request alone and in batches of 2 to 16, with prompts chunked and not,
 # 2. where the movement comes from, in a few lines: one row's product alone and among others,
@@ -39,7 +41,6 @@
 # 7. the diagram.
 
 # %%
-import csv
 import sys
 import warnings
 
@@ -50,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.models import linear, rms_norm
 
@@ -143,8 +144,7 @@ assert row_diff["tiny head"][1] == 0 and row_diff["tiny head"][16] > 0
 # wrote the rest:
 
 # %%
-with open(invbench.HERE / "day-32-tiny.csv") as f:
-    tiny_rows = list(csv.DictReader(f))
+tiny_rows = read_csv(invbench.HERE / "day-32-tiny.csv")
 again = invbench.tiny_table(tiny, pool, budgets={16: "chunked"}, batches=(8,), draws=1, refs=refs)[0]
 assert {k: str(v) for k, v in again.items()} == tiny_rows[5]
 cols = [
@@ -241,8 +241,7 @@ print(f"each excused by check_same_or_near_tie at position 0, gap < TIE = {TIE:g
 # (the bulk of the script's run time, so the notebook reads what it wrote):
 
 # %%
-with open(invbench.HERE / "day-32-smollm.csv") as f:
-    smol_rows = list(csv.DictReader(f))
+smol_rows = read_csv(invbench.HERE / "day-32-smollm.csv")
 cols = [
     "prefill",
     "layout",
@@ -266,8 +265,8 @@ print(f"closest gap {smol_closest:.2e}, {times:.0f} x it; TIE is {TIE / smol_lar
 # %% [markdown]
 # All 48 runs of a question (six questions, four layouts, two budgets) have the eager loop's 16
 # tokens, and again no near-tie had to be excused. The picture is the tiny model's scaled up:
-# SmolLM2's logits are large numbers, so they move more, up to 6.65e-05, and its closest call
-# was a gap of 9.43e-03, 142 times that. The tests' tolerance is 1.5 times that largest
+# SmolLM2's logits are large numbers, so they move more, up to 6.29e-05, and its closest call
+# was a gap of 9.43e-03, 150 times that. The tests' tolerance is 1.6 times that largest
 # difference here, where on the tiny model it is more than 2,000 times it.
 
 # %% [markdown]
@@ -320,8 +319,7 @@ for tol in invbench.TOLERANCES:
     verdicts[tol] = (out.count("rejected"), out.count("near-tie"))
     print(f"   tolerance {tol:>6g}: caught {verdicts[tol][0]:>2}, excused {verdicts[tol][1]:>2}")
 assert verdicts[TIE] == (len(caught), len(excused))
-with open(invbench.HERE / "day-32-tolerance.csv") as f:
-    tol_rows = list(csv.DictReader(f))
+tol_rows = read_csv(invbench.HERE / "day-32-tolerance.csv")
 bug_rows = [r for r in tol_rows if r["engine"] != "correct"]
 assert [(int(r["rejected"]), int(r["near_ties"])) for r in bug_rows] == list(verdicts.values())
 assert all(r["tokens_equal"] == r["requests"] for r in tol_rows if r["engine"] == "correct")
@@ -338,7 +336,7 @@ assert all(r["tokens_equal"] == r["requests"] for r in tol_rows if r["engine"] =
 # difference a correct engine shows (4.47e-08 on the tiny model, section 3, so that a true
 # near-tie is excused) and as far below as possible the gaps a bug flips at (from 9.4e-06 up,
 # here). Anything from 1e-7 to 1e-6 does both. On SmolLM2 the honest differences are larger, up
-# to 6.65e-05, and 1e-4 sits only 1.5 times above them; one number for both models is too wide
+# to 6.29e-05, and 1e-4 sits only 1.6 times above them; one number for both models is too wide
 # for one of them. A rule that scales with the model would take its tolerance from a measured
 # difference, a small multiple of what section 3 measures.
 #
@@ -435,5 +433,3 @@ display(Image(str(out)))
 # 3. Break `invbench.short_context` the other way (`+= 1`: rows read one position past their
 #    context, an unwritten slot). How many requests change, and which tolerance still catches
 #    all of them?
-# 4. Run section 1 with `attention="gather"` in `invbench.tiny_engine` (the padded-copy decode
-#    path of days 18-24). Do the largest differences change, and do the tokens?

@@ -42,7 +42,6 @@
 # 8. the diagram.
 
 # %%
-import csv
 import sys
 
 import matplotlib
@@ -52,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, as_text, describe, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
@@ -67,8 +66,14 @@ engine = engineapi.make_engine(tiny)
 print(f"tiny Llama: vocab {tiny.cfg.vocab_size}, context {engine.max_model_len}, no tokenizer")
 cfg = engine.config
 print(f"engine: {cfg.max_batch} rows, {engine.pool.num_blocks} blocks of {cfg.block_size} tokens")
+print(describe(34))
 
 # %% [markdown]
+# `make_engine` builds the engine as it stands today, `engine_config(34, ...)`: the last line
+# of each variant above says which day chose it. A step is all prefill or all decode (day 26's
+# policy), attention reads the paged pool by gathering (day 18), and admission keeps day 28's
+# reserve.
+#
 # The tiny model has random weights and no tokenizer, so its prompts are lists of token ids and
 # its outputs carry no text (`text_delta` stays empty); everything else about the API is the
 # same as with SmolLM2. Decoding is greedy (`SamplingParams`' default temperature is 0), so
@@ -140,11 +145,13 @@ print("one output:", mine[2][0])
 #   budget and so every row of every step ends in a sampled token (a prompt longer than the
 #   budget would be computed over several steps, Day 30, and say nothing until its last chunk);
 # * the step that computes a prompt also samples its first token: `late`, added after step 1,
-#   has its first token in step 2, in the same step as the others' third;
+#   has its first token in step 2. That step is `late`'s alone: today's scheduler makes a step
+#   all prefill or all decode, prompts first, so the three running requests wait one step and
+#   take their third tokens in step 3, beside `late`'s second;
 # * `finish_reason` is `None` while a request runs and says why on the output that carries its
-#   last token, in the same step: `req-0` ends in step 2 with its third token, `req-2` in step
-#   3 with its fourth. Its blocks are free by the time `step()` returns, which is why the blocks
-#   used fall from 7 to 4 in step 3 while `late` keeps growing.
+#   last token, in the same step: `req-0` ends in step 3 with its third token, `req-2` in step
+#   4 with its fourth. Its blocks are free by the time `step()` returns, which is why the blocks
+#   used fall from 7 to 4 in step 4 while `late` keeps growing.
 #
 # ## 3. `abort` in the middle
 #
@@ -181,9 +188,7 @@ assert engine.allocator.num_used == 0 and all("late" not in [o.request_id for o 
 rows, script_tokens, finish = engineapi.hand_run(engineapi.make_engine(tiny))
 assert [r["outputs"] for r in rows] == [" ".join(o.request_id for o in s) for s in mine]
 assert script_tokens == tokens
-with open(engineapi.CSV_STEPS) as f:
-    committed = list(csv.DictReader(f))
-assert [{k: str(v) for k, v in r.items()} for r in rows] == committed
+assert as_text(rows) == read_csv(engineapi.CSV_STEPS)
 cols = ["step", "event", "outputs", "new_tokens", "finished", "running", "blocks_used"]
 for r in rows:
     print(" | ".join(f"{r[c]}" for c in cols))
@@ -314,8 +319,7 @@ print(f"engine against one at a time: {small[0]['seconds'] / small[1]['seconds']
 # way twice in turn, and writes `day-34-engine.csv`:
 
 # %%
-with open(engineapi.CSV_ENGINE) as f:
-    table = list(csv.DictReader(f))
+table = read_csv(engineapi.CSV_ENGINE)
 facts = ["way", "requests", "rows", "tokens", "forward_passes", "same_as_greedy"]
 for r in table:
     print(" | ".join(r[c] for c in facts))
@@ -399,5 +403,3 @@ display(Image(str(path)))
 #    falls by the length of its block table, and that `generate` on the others is unchanged.
 # 3. Break the loop another way: collect only the outputs whose `finish_reason` is `None`.
 #    `check_complete` must fail; say which requests it names.
-# 4. Give `make_engine` `max_model_len=8` and queue all of `HAND`: which request is refused,
-#    with what sentence, and do the others still run?

@@ -45,7 +45,6 @@
 
 # %%
 import contextlib
-import csv
 import io
 import sys
 
@@ -59,7 +58,7 @@ import matplotlib.pyplot as plt
 from fastapi.routing import APIRoute
 from IPython.display import Image, display
 
-from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
+from nanocourse import REPO, ServerThread, diagram_path, read_csv, tiny_llama
 from nanoserve.generate import greedy_tokens
 from nanoserve.serve import create_app
 
@@ -68,7 +67,7 @@ import firstrequest  # the day's script: the notebook uses its engine and its re
 
 torch.set_num_threads(1)
 tiny = tiny_llama(0)
-engine = firstrequest.make_engine(tiny)
+engine = firstrequest.make_engine(tiny)  # engine_config(35, ...): the engine of day 34, unchanged
 PROMPT, N = firstrequest.PROMPT, 8
 
 # %% [markdown]
@@ -111,8 +110,8 @@ assert [p for p, _ in ours if p in routes] == routes
 #
 # `ServerThread` binds a free port on 127.0.0.1 and runs uvicorn in a thread. Starting the app
 # runs its lifespan: with a built engine that means starting the engine loop and printing one
-# boot line to stderr (model, dtype, device, the KV pool, the warm list, none here). Then
-# `/health` answers 200 with the pool plan.
+# boot line to stderr (model, dtype, device, the KV pool; its last field, the warm list, says
+# "none" until day 55 builds warming). Then `/health` answers 200 with the pool plan.
 
 # %%
 log = io.StringIO()
@@ -236,8 +235,7 @@ except openai.NotFoundError as e:
 
 # %%
 rows = firstrequest.requests_table(url, own, PROMPT, N)
-with open(firstrequest.CSV) as f:
-    committed = list(csv.DictReader(f))
+committed = read_csv(firstrequest.CSV)
 facts = ["client", "method", "path", "asked", "status", "error_type", "error_code", "tokens",
          "same_as_engine"]  # fmt: skip
 assert [[str(r[k]) for k in facts] for r in rows] == [[r[k] for k in facts] for r in committed]
@@ -268,7 +266,7 @@ assert engine.allocator.num_used == 0 and not server.thread.is_alive()
 # ## 9. The diagram
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [1.1, 1], "wspace": 0.25})
+fig, axes = plt.subplots(1, 2, figsize=(16, 5.5), gridspec_kw={"width_ratios": [1.1, 1], "wspace": 0.5})
 fig.suptitle("Day 35 — the engine behind HTTP (tiny Llama, loopback, CPU)", fontsize=13)
 ax = axes[0]
 ax.set_xlim(0, 10)
@@ -279,7 +277,7 @@ boxes = [
     (2.7, 4.3, "uvicorn\n127.0.0.1:PORT"),
     (5.2, 4.3, "handler\n(FastAPI route)"),
     (7.7, 4.3, "engine loop\nthread"),
-    (7.7, 1.2, "Engine\nadd_request / step"),
+    (7.7, 1.2, "Engine\nadd_request\nstep"),
 ]
 for x, y, text in boxes:
     ax.add_patch(plt.Rectangle((x, y), 2.0, 1.2, fc="#e8eef8", ec="k"))
@@ -289,7 +287,7 @@ for x0, x1 in ((2.2, 2.7), (4.7, 5.2), (7.2, 7.7)):
 ax.annotate("", (8.7, 2.4), (8.7, 4.3), arrowprops={"arrowstyle": "<->"})
 ax.text(5.0, 3.5, "JSON body in; the loop's outputs come back\non the handler's own queue",
         ha="center", fontsize=9)  # fmt: skip
-ax.text(5.0, 0.6, "only the loop thread touches the engine", ha="center", fontsize=9, style="italic")
+ax.text(3.8, 1.8, "only the loop thread\ntouches the engine", ha="center", fontsize=9, style="italic")
 ax.set_title("a request's path")
 
 ax = axes[1]
@@ -302,9 +300,10 @@ for i, r in enumerate(rows):
     note = f"{r['status']}" + (f", tokens {same} engine" if r["tokens"] else "")
     ax.text(r["ms"], i, " " + note, va="center", fontsize=8)
 ax.set_yticks(range(len(rows)), labels, fontsize=8)
+ax.set_xlim(0, 1.5 * max(r["ms"] for r in rows))  # room for the notes right of the bars
 ax.invert_yaxis()
 ax.set_xlabel("round trip, ms (this run)")
-ax.set_title("the script's requests: status, and tokens against the engine's own")
+ax.set_title("the script's requests: status, tokens against the engine's")
 path = diagram_path("day35-http-server.png")
 fig.savefig(path, dpi=80, bbox_inches="tight")
 plt.close(fig)
@@ -331,12 +330,15 @@ display(Image(str(path)))
 #
 # ## Try it
 #
-# 1. Send `{"prompt": PROMPT, "max_tokens": 3}` with no `model` field. Is it accepted, and does
-#    `check_same_as_engine` pass on its tokens? Why (look at `temperature`'s default)?
-# 2. Send the same request with `"temperature": 1.0, "seed": 0` and check that it gives the same
-#    tokens as section 6's, seed for seed.
-# 3. Add a route to a copy of the app (`@app.get("/v1/hello")`) before starting it, and check
-#    that it shows up in section 2's list and answers 200; a `POST` to it must answer 405.
-# 4. Break it on purpose: call `engine.step()` from the notebook while the server is running
-#    and a long request is in flight (`max_tokens` 200). What does the request get back, and
-#    what does that say about why only the loop thread may step the engine?
+# (Restart the server first: `server = ServerThread(app); url = server.__enter__()`.)
+#
+# 1. Send `{"prompt": PROMPT, "max_tokens": N, "return_token_ids": True}`, with no `model` and
+#    no `temperature`. Check that it is served by the one model (`r.status_code == 200` and
+#    `r.json()["model"] == engine.model_name`) and that `check_same_as_engine` raises on its
+#    tokens: `temperature` defaults to 1, so it sampled.
+# 2. Send section 6's request with `"temperature": 1.0, "seed": 0` written out and check that it
+#    gives section 6's tokens, seed for seed:
+#    `assert r.json()["choices"][0]["token_ids"] == sampled.choices[0].token_ids`.
+# 3. Break the gate on purpose: rewrite `check_same_as_engine` to compare lengths only
+#    (`if len(got) != len(own)`) and rerun section 6. The sampled answer now passes, and the
+#    cell must stop with `RuntimeError: a sampled answer passed as the greedy one`.

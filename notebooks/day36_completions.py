@@ -44,7 +44,6 @@
 # 7. the diagram.
 
 # %%
-import csv
 import json
 import sys
 
@@ -56,7 +55,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.api import CompletionRequest
 from nanoserve.bench import cpu_line
 from nanoserve.models import load_model
@@ -70,7 +69,7 @@ torch.set_num_threads(1)  # the machine is shared; one thread keeps the timings 
 print(cpu_line())
 MODEL_DIR = fetch_default_model()
 model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
-engine = completions.make_engine(model, tok)
+engine = completions.make_engine(model, tok)  # engine_config(36, ...): the engine of day 34
 server = completions.served(engine)
 url = server.__enter__()  # uvicorn on a free port of 127.0.0.1, in a thread; closed at the end
 print("serving", completions.HTTP.get(url + "/v1/models").json()["data"][0]["id"], "on http://127.0.0.1:PORT")
@@ -78,8 +77,7 @@ print("serving", completions.HTTP.get(url + "/v1/models").json()["data"][0]["id"
 
 def committed(name):
     """A CSV of days/day36/ as the journal's tables read it."""
-    with open(REPO / "days" / "day36" / f"day-36-{name}.csv") as f:
-        return list(csv.DictReader(f))
+    return read_csv(REPO / "days" / "day36" / f"day-36-{name}.csv")
 
 
 # %% [markdown]
@@ -161,8 +159,8 @@ assert by_ids["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# (third decimals move with the CPU's summation order: a score printed -2.439 on the AVX2
-# machine these outputs come from prints -2.438 on an AVX-512 EPYC; the asserts below hold on
+# (third decimals move with the CPU's summation order: a score printed -2.438 on the AVX-512
+# EPYC these outputs come from prints -2.439 on an AVX2 machine; the asserts below hold on
 # every CPU, so they are the check)
 echo = kinds["echo, score only"]["choices"][0]
 lp = echo["logprobs"]
@@ -432,11 +430,8 @@ print("server stopped; blocks still held:", engine.allocator.num_used)
 # 2. **Ask a harness-style request with `max_tokens: 1`.** Send section 3's prompts with
 #    `max_tokens=1`. The check: each choice's `token_logprobs` is one longer, and
 #    `sum(token_logprobs[ctxlen:-1])` equals `ours` to within 1e-4.
-# 3. **Break best_of on purpose.** Rank section 5's samples by the sum of their logprobs
-#    instead of the mean. The check: with all five samples 4 tokens long the two rankings agree
-#    here, so vary the length with `"stop": ["."]` and find a seed where they pick differently
-#    from `kept`.
-# 4. **Count the steps of a list with n.** Run `completions.batching_table` with a body that
-#    also sets `"n": 2` and `"max_tokens": 1` (edit a copy). The check: predict the engine steps
-#    before running it (the second sample of each prompt waits for the first one's prompt to be
-#    in the cache).
+# 3. **Rank best_of's samples by the sum.** Rank section 5's samples by the sum of their
+#    logprobs instead of the mean and take the top two texts (`sum_two`). The check: with all
+#    five samples 4 tokens long the two rules are one rule, so `assert sum_two == best_two ==
+#    kept` holds; only samples of different lengths (a `"stop": ["."]` in the request) can tell
+#    them apart.

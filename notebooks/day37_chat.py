@@ -42,7 +42,6 @@
 # 6. the diagram.
 
 # %%
-import csv
 import sys
 
 import matplotlib
@@ -53,7 +52,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.models import load_model
 from nanoserve.tokenizer import Tokenizer
@@ -66,7 +65,7 @@ torch.set_num_threads(1)  # the machine is shared; one thread keeps the timings 
 print(cpu_line())
 MODEL_DIR = fetch_default_model()
 model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
-engine = chat.make_engine(model, tok)
+engine = chat.make_engine(model, tok)  # engine_config(37, ...): the engine of day 34
 server = chat.served(engine)
 url = server.__enter__()  # uvicorn on a free port of 127.0.0.1, in a thread; closed at the end
 print("serving", chat.HTTP.get(url + "/v1/models").json()["data"][0]["id"], "on http://127.0.0.1:PORT")
@@ -74,8 +73,7 @@ print("serving", chat.HTTP.get(url + "/v1/models").json()["data"][0]["id"], "on 
 
 def committed(name):
     """A CSV of days/day37/ as the journal's tables read it."""
-    with open(REPO / "days" / "day37" / f"day-37-{name}.csv") as f:
-        return list(csv.DictReader(f))
+    return read_csv(REPO / "days" / "day37" / f"day-37-{name}.csv")
 
 
 # %% [markdown]
@@ -275,9 +273,9 @@ print(f"this run, multi-turn: chat {live['chat_ms']:.0f} ms, completions {live['
 # %% [markdown]
 # The chat route has some extra work, rendering a template and tokenizing a few hundred
 # characters on a worker thread, but that is small next to one forward pass of the model, and
-# the rest is the same engine running the same tokens. In the script's run the two routes'
-# times are within the noise of a shared machine of each other, the chat route not slower in
-# four of the five rows.
+# the rest is the same engine running the same tokens. The script's run was made on a machine
+# busy with other jobs, where the chat route came out the slower in four of the five rows; one
+# run there cannot tell the template's small cost from the noise.
 #
 # ## 6. The diagram
 

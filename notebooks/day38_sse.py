@@ -36,11 +36,12 @@
 # 3. the events: text chunks, the finish reason, the usage chunk, `[DONE]`; the stream's text
 #    equal to the whole answer, on completions and on chat,
 # 4. time to the first frame against time to the whole answer,
-# 5. a client that cuts at every newline instead of at blank lines, caught,
-# 6. the day's table (`days/day38/sse.py`) and the diagram.
+# 5. a stop string that arrives split over two tokens: the text that may begin it held back, by
+#    hand, against the package's `StopStrings` and the server,
+# 6. a client that cuts at every newline instead of at blank lines, caught,
+# 7. the day's table (`days/day38/sse.py`) and the diagram.
 
 # %%
-import csv
 import json
 import re
 import sys
@@ -55,9 +56,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.models import load_model
+from nanoserve.stopping import StopStrings
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model
 
@@ -68,7 +70,7 @@ torch.set_num_threads(1)  # the machine is shared; one thread keeps the timings 
 print(cpu_line())
 MODEL_DIR = fetch_default_model()
 model, tok = load_model(MODEL_DIR), Tokenizer.from_dir(MODEL_DIR)
-engine = sse.make_engine(model, tok)
+engine = sse.make_engine(model, tok)  # engine_config(38, ...): the engine of day 34
 server = sse.served(engine)
 url = server.__enter__()  # uvicorn on a free port of 127.0.0.1, in a thread; closed at the end
 print("serving", sse.HTTP.get(url + "/v1/models").json()["data"][0]["id"], "on http://127.0.0.1:PORT")
@@ -225,8 +227,7 @@ print(f"this run, {N} tokens: first text frame {ends[0] * 1000:.0f} ms, last fra
 # and 3, summarized here from this run's bytes), and then its times:
 
 # %%
-with open(REPO / "days" / "day38" / "day-38-frames.csv") as f:
-    table = list(csv.DictReader(f))
+table = read_csv(REPO / "days" / "day38" / "day-38-frames.csv")
 facts = ["route", "max_tokens", "frames", "text_frames", "usage_frame", "done", "completion_tokens",
          "stream_bytes", "whole_bytes", "same_text", "same_usage"]  # fmt: skip
 for r in table:
@@ -252,7 +253,94 @@ for r in table:
 # first text: the role chunk goes out as soon as the engine has accepted the request, without
 # waiting for the prefill that makes the first token.
 #
-# ## 5. A client that cuts at every newline
+# ## 5. Holding back what may begin a stop string
+#
+# A request may name stop strings: the answer ends where the first of them appears, and the stop
+# string itself is left out of the text (OpenAI's rule; day 36's `stop: ["."]` request ended that
+# way). Streamed, that is harder than it looks, because a stop string can arrive split over two
+# tokens. In section 3's answer `". He"` is the piece `"."` of one token followed by `" He"` of the
+# next. A server that sends every piece the moment it is decoded has sent the `"."` before the
+# `" He"` shows it was the start of the stop string, and an event once sent cannot be taken back.
+#
+# The remedy: hold back the longest end of the text so far that could still be the start of a
+# stop string, and release it when the next piece settles the question either way. By hand, beside
+# the send-at-once version, over the pieces of section 3's stream:
+
+
+# %%
+def send_at_once(pieces, stop):
+    """Each piece goes out as it is decoded; once the stop string shows, what is left before it."""
+    sent, text = [], ""
+    for p in pieces:
+        text += p
+        if stop in text:  # cut before the stop string: empty if its start has gone out already
+            sent.append(text[len("".join(sent)) : text.index(stop)])
+            return sent
+        sent.append(p)
+    return sent
+
+
+def held_back(pieces, stop):
+    """The same, holding back the longest end of the text that could begin the stop string."""
+    sent, held = [], ""
+    for p in pieces:
+        text = held + p
+        if stop in text:
+            sent.append(text[: text.index(stop)])
+            return sent
+        keep = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        sent.append(text[: len(text) - keep])
+        held = text[len(text) - keep :]
+    return sent + [held]  # it ended for another reason: what was held is text after all
+
+
+STOP = ". He"
+pieces16 = [json.loads(e)["choices"][0]["text"] for e in ours[:-2]]  # the 16 text chunks
+k = next(i for i, p in enumerate(pieces16) if STOP in p + pieces16[i + 1])
+assert STOP not in pieces16[k] and STOP not in pieces16[k + 1]  # split over two tokens
+naive, hand = send_at_once(pieces16, STOP), held_back(pieces16, STOP)
+stops, package = StopStrings((STOP,)), []  # the package's: what the engine runs on every piece
+for p in pieces16:
+    out, stopped = stops.feed(p)
+    package.append(out)
+    if stopped:
+        break
+else:
+    package.append(stops.flush())
+for i in range(k - 1, k + 2):
+    print(f"piece {i}: {pieces16[i]!r:<8} sent at once {naive[i]!r:<8} held back {hand[i]!r}")
+full = whole["choices"][0]["text"]  # section 3's answer, sent whole
+cut = full[: full.index(STOP)]  # the answer a stop at ". He" leaves
+print("the client's text, sent at once:", repr("".join(naive)))
+print("the client's text, held back:   ", repr("".join(hand)))
+assert "".join(naive) == cut + STOP[0]  # it saw the stop string's first character
+assert "".join(hand) == cut and hand == package
+print("hand hold-back == StopStrings.feed, piece for piece")
+
+# %% [markdown]
+# Sent at once, the client ends with a full stop the answer does not have. Held back, the `"."`
+# of piece 10 waits one piece, and since the next piece completes the stop string it is never
+# sent. The hand version gives the package's `StopStrings` (`nanoserve/stopping.py`) piece for
+# piece. When no stop string comes, holding back only delays: with a stop string the answer
+# does not contain, the `"."` goes out one piece late and the text is the whole answer. And the
+# server, asked to stream with the same stop string, sends exactly the held-back text:
+
+# %%
+late = held_back(pieces16, ". She")
+print(f"stop '. She': piece {k} sends {late[k]!r}, piece {k + 1} sends {late[k + 1]!r}")
+assert "".join(late) == full and late[k + 1] == "." + pieces16[k + 1]
+reply = sse.HTTP.post(url + "/v1/completions", json=sse.body("completions", N, True) | {"stop": [STOP]})
+served_events = events_of(reply.content)
+sent_pieces = [c["choices"][0]["text"] for c in map(json.loads, served_events[:-2]) if c["choices"]]
+print("the server's last pieces:", sent_pieces[-3:], "| finish_reason:",
+      json.loads(served_events[-3])["choices"][0]["finish_reason"])  # fmt: skip
+assert "".join(sent_pieces) == cut and "." not in "".join(sent_pieces)
+
+# %% [markdown]
+# The server's last text event is empty and carries `finish_reason` `stop`: the full stop held
+# back after `"old"` never went out.
+#
+# ## 6. A client that cuts at every newline
 #
 # A common shortcut is to read the response line by line and treat every `data: ` line as an
 # event. On this server's streams it works, because every event here is exactly one `data:`
@@ -295,7 +383,7 @@ else:
     raise AssertionError("the newline splitter read a multi-line event correctly")
 
 # %% [markdown]
-# ## 6. The diagram
+# ## 7. The diagram
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(13, 9))
@@ -362,7 +450,7 @@ print("server stopped; blocks still held:", engine.allocator.num_used)
 #   with one token and its details per event.
 # * **The `openai` package** parses with an SSE decoder of its own (`openai._streaming`) that
 #   joins multi-line data, skips comments and stops at `[DONE]`, which is why it read the
-#   re-framed stream of section 5 correctly. nanoserve's own load generator (`loadgen.py`,
+#   re-framed stream of section 6 correctly. nanoserve's own load generator (`loadgen.py`,
 #   Day 43) reads line by line, which is right for the one-line events this server, vLLM's
 #   and OpenAI's send, and would report a multi-line event as a failed request.
 #
@@ -370,7 +458,7 @@ print("server stopped; blocks still held:", engine.allocator.num_used)
 #
 # 1. **Break the decoder on purpose.** Change `events_of` to split on `b"\n"` instead of
 #    `b"\n\n"`. The check: section 2's asserts still pass (every event of this server is one
-#    line, and the empty blocks carry no data), but section 5's `events_of(other) ==
+#    line, and the empty blocks carry no data), but section 6's `events_of(other) ==
 #    openai_events([other])` fails: the decoder has become the newline splitter.
 # 2. **Send a keep-alive comment.** Insert `b": ping\n\n"` between two frames of `raw` and parse
 #    it with `events_of` and `openai_events`. The check: both return the same events as

@@ -45,7 +45,6 @@
 
 # %%
 import contextlib
-import csv
 import io
 import sys
 
@@ -56,7 +55,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -245,8 +244,7 @@ facts = ["server", "leaver", "left_after_step", "tokens_when_left", "blocks_when
          "others_equal_alone"]  # fmt: skip
 for r in rows:
     print("  ".join(f"{k}={r[k]}" for k in facts))
-with open(REPO / "days" / "day39" / "day-39-disconnects.csv") as f:  # the journal's table
-    committed = list(csv.DictReader(f))
+committed = read_csv(REPO / "days" / "day39" / "day-39-disconnects.csv")  # the journal's table
 assert [[str(r[k]) for k in facts] for r in rows] == [[r[k] for k in facts] for r in committed]
 assert all(r["others_equal_alone"] == "yes" for r in rows)
 
@@ -282,12 +280,14 @@ for ax, (name, r) in zip(axes[0], (("aborts", run), ("never aborts (planted)", l
         alpha=0.4,
         label="in use (pool)",
     )
+    top = max(t["used"] for t in r["trace"])
+    ax.set_ylim(-0.3, 1.45 * top)  # headroom: the legend is one row above the data
     ax.axvline(r["left_step"], color="tab:red", ls="--", lw=1)
-    ax.text(r["left_step"] + 1, ax.get_ylim()[1] * 0.9, "C leaves", color="tab:red")
+    ax.text(r["left_step"] + 1, 1.1 * top, "C leaves", color="tab:red")
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV blocks")
     ax.set_title(f"streaming leaver, server that {name}")
-    ax.legend(loc="upper right", fontsize=9)
+    ax.legend(loc="upper center", ncol=4, fontsize=9, frameon=False)
 
 ax = axes[1, 0]
 labels = [f"{r['server'].split(' (')[0]}\n{r['leaver'].split(',')[0]}" for r in rows]

@@ -40,7 +40,6 @@
 
 # %%
 import contextlib
-import csv
 import io
 import sys
 from collections import Counter
@@ -52,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.tokenizer import Tokenizer
 from nanoserve.weights import fetch_default_model
@@ -72,13 +71,13 @@ rows = run["rows"]
 
 
 def committed(name):
-    with open(REPO / "days" / "day40" / f"day-40-{name}.csv") as f:
-        return list(csv.DictReader(f))
+    return read_csv(REPO / "days" / "day40" / f"day-40-{name}.csv")
 
 
 # %% [markdown]
-# The engine is the course's tiny random-weight Llama with SmolLM2's vocabulary, so SmolLM2's
-# tokenizer and chat template apply, with a 256-token context. `poisoned_run` did everything at
+# The model is the course's tiny random-weight Llama with SmolLM2's vocabulary, so SmolLM2's
+# tokenizer and chat template apply, with a 256-token context, on the engine of day 34
+# (`badinput.make_engine` calls `engine_config(40, ...)`). `poisoned_run` did everything at
 # once in the cell above (section 2 and 3 take it apart): two healthy streams started, the
 # engine was held after their first tokens, every bad case was sent, a request with a
 # temperature of 1e-39 was queued, and the engine let go.
@@ -279,8 +278,8 @@ display(Image(filename=str(path)))
 # 2. **Break the body cap.** Build the app with `max_body_bytes=10**9` in `poisoned_run` and send
 #    the over-the-cap case again. The check: it now gets 400 for its prompt's length instead of
 #    413, and `check_statuses` names it.
-# 3. **Accept a field on purpose.** Remove `"user"` from the harmless case and add `"metadata":
-#    {"a": "b"}` instead. Predict: 200, since `metadata` is not in `ANSWER_CHANGING`. Then add
-#    `"typical_p": 0.5` and predict the 400, its `param` and its message. Last, swap it for
-#    `"min_tokens": 3`, a field the server does implement, and predict why this case still gets
-#    a 400 (look at its `max_tokens`) and which field the message names.
+# 3. **Accept one field, refuse another.** Put `"metadata": {"a": "b"}` in the harmless case's
+#    body (the one with `"user"`) and rerun the notebook: its row must still say 200, since
+#    `metadata` is not a key of `nanoserve.api.ANSWER_CHANGING`. Then add `"typical_p": 0.5` and
+#    change the case's expected status to 400 and its kind to `"unsupported"`: the check is that
+#    `check_statuses` passes and the row's `param` is `typical_p`, as `my_check` says too.

@@ -26,7 +26,13 @@
 # name in four of them: "loading" and "warming" while the builder runs, "draining" during a
 # graceful shutdown, "failed" (with the reason) when the build raised or the engine loop died.
 # In the fifth, "ready", it answers 200 with what an operator wants to see first: the model,
-# the context length, the KV pool plan, the warm plan and how busy the engine is now.
+# the context length, the KV pool plan and how busy the engine is now.
+#
+# The server is the one of days 35-40 on the engine of day 34 (`health.make_engine` calls
+# `engine_config(41, ...)`). `create_app` also takes a *builder* instead of a built engine: a
+# function it runs on a background thread, which reports its phases ("loading", then "warming")
+# as it goes. Day 55 builds the warm-up that fills "warming" (the decode graphs of days 52-54)
+# and day 56 wires it into the boot; today's builder reports the phases and holds in each.
 #
 # 1. the pool plan in two lines of arithmetic, equal to `plan_pool`,
 # 2. one server walked through its whole life, each state produced for real: a builder held on an
@@ -38,7 +44,6 @@
 
 # %%
 import contextlib
-import csv
 import io
 import statistics
 import sys
@@ -52,7 +57,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
+from nanocourse import REPO, ServerThread, as_text, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.pool import plan_pool
 from nanoserve.serve import create_app
@@ -68,20 +73,20 @@ quiet = contextlib.redirect_stderr(io.StringIO())  # boot lines and the failed b
 
 
 def read(name):
-    with open(DAY / f"day-41-{name}.csv") as f:
-        return list(csv.DictReader(f))
+    return read_csv(DAY / f"day-41-{name}.csv")
 
 
 def as_csv(rows):
-    return [{k: str(v) for k, v in r.items()} for r in health.public(rows)]
+    return as_text(health.public(rows))
 
 
 # %% [markdown]
 # ## 1. The pool plan, in our own lines
 #
 # One token's K and V across every layer cost `2 x layers x KV heads x head dim x bytes`; a block
-# is `block_size` of those. The budget first gives up one token's worth for the sink slot (the
-# entry padded rows write to, day 52), and the rest is divided into whole blocks. For the tiny
+# is `block_size` of those. The budget first gives up one token's worth for the sink slot (day
+# 16's entry past the last block, where a padded row writes), and the rest is divided into whole
+# blocks. For the tiny
 # model (2 layers, 2 KV heads, head dim 16, fp32) a token is 512 bytes.
 
 # %%
@@ -99,14 +104,13 @@ print(plan.describe())
 # %% [markdown]
 # The first budget is exactly 32 blocks of 16 tokens plus the sink slot; one byte less and the
 # sink takes its slot out of the last block, so only 31 fit. The script's engines are all given
-# budgets of that exact form (`health.engine_config`).
+# budgets of that exact form (`health.pool_config`).
 #
 # ## 2. One server, its whole life
 #
 # `health.probe_life` boots `create_app` with a builder (`HeldBuilder`) that reports each phase
 # and then waits on a `threading.Event` until the probe has looked; the engine it hands back was
-# built before the app, and the builder's "warming" is its real warm-up (pool allocated, warm
-# list recorded). At each stop the probe asks `/health` and sends one completion. Once ready,
+# built before the app. At each stop the probe asks `/health` and sends one completion. Once ready,
 # the engine is held (its step does nothing until another event is set), one request goes in
 # and waits, and `serve.drain` starts on a thread: the state SIGTERM puts the server in. Then
 # the engine is let go, the waiting request finishes, and the drain returns.
@@ -131,20 +135,22 @@ assert life[-1]["retry_after"] == "5" and life[-1]["in_flight"] == 1
 # client is told to go elsewhere soon, while "loading" and "warming" are a replica that will be
 # ready, and the sentence says to ask `/health` again.
 #
-# The 200 body, as it was read right after the builder returned. Its `pool` must be
-# `plan_pool`'s plan for the engine's config (its fields, `num_slots` and `describe()`), and its
-# `warm` is the warm-up the builder ran:
+# The 200 body, as it was read right after the builder returned, today's fields of it. Its `pool`
+# must be `plan_pool`'s plan for the engine's config (its fields, `num_slots` and `describe()`):
 
 # %%
 ok = life[2]["_body"]
 print({k: ok[k] for k in ("status", "model", "max_model_len", "running", "waiting", "kv_blocks_used")})
 print("pool:", ok["pool"])
-print("warm:", {k: ok["warm"][k] for k in ("graphs", "max_rows", "max_width", "shapes", "recording")})
-config = health.engine_config(bucket_decode=True, persist_inputs=True, capture_decode=True)
+config = health.pool_config()
 expected = plan_pool(cfg, model.dtype, block_size=config.block_size, budget_bytes=config.kv_budget)
 assert ok["pool"] == health.pool_body(expected)
-assert ok["warm"]["graphs"] == len(ok["warm"]["shapes"]) == 8
+assert ok["warm"] is None  # no warm-up ran: there is no warm plan to report
 print("the 200 body's pool equals plan_pool's plan for the config")
+
+# %% [markdown]
+# The body has more keys than these, for later days to fill: `warm` is `null` until days 52-56
+# build graph capture and the warm-up whose plan it reports.
 
 # %% [markdown]
 # ## 3. Two ways to fail
@@ -262,7 +268,7 @@ def median_get(app, n=50):
 
 
 print(cpu_line())
-ours_s, bare_s = median_get(create_app(health.make_engine(model, capture=False))), median_get(bare)
+ours_s, bare_s = median_get(create_app(health.make_engine(model))), median_get(bare)
 print(f"/health median: nanoserve {1000 * ours_s:.2f} ms, bare FastAPI route {1000 * bare_s:.2f} ms, "
       f"ratio {ours_s / bare_s:.2f}")
 print("polls:", {r["health"]: r["_polls"] for r in clients})

@@ -38,7 +38,6 @@
 
 # %%
 import contextlib
-import csv
 import io
 import itertools
 import math
@@ -52,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
+from nanocourse import REPO, ServerThread, as_text, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.serve import create_app
 
@@ -66,15 +65,17 @@ DAY = REPO / "days" / "day42"
 # %% [markdown]
 # ## 1. The server, and a scrape before any request
 #
-# The tiny random-weight Llama with no tokenizer (prompts are token ids), served by uvicorn on
-# a free port of 127.0.0.1 in a thread of this process. The first scrape is the raw text a
+# The tiny random-weight Llama with no tokenizer (prompts are token ids), on the engine of day 34
+# (`metricsbench.make_engine` calls `engine_config(42, ...)`), served by uvicorn on a free port of
+# 127.0.0.1 in a thread of this process. The first scrape is the raw text a
 # Prometheus server would receive: a `# HELP` and a `# TYPE` line per family, then one line per
 # sample. A histogram is many samples: one `_bucket` per upper bound `le`, plus `_count` and
 # `_sum`.
 
 # %%
 engine = metricsbench.make_engine(tiny_llama(0))
-server = ServerThread(create_app(engine))
+app = create_app(engine)
+server = ServerThread(app)
 with contextlib.redirect_stderr(io.StringIO()):
     url = server.__enter__()
 raw = httpx.get(url + "/metrics")
@@ -121,8 +122,7 @@ for r in names:
     print(f"{r['type']:>9}  {r['name']:<40} samples {r['samples']}")
 created = [n for n in after if n.endswith("_created")]
 print(len(created), "_created gauges left out, e.g.", created[0])
-with open(DAY / "day-42-names.csv") as f:  # the journal's table
-    assert [{k: str(v) for k, v in r.items()} for r in names] == list(csv.DictReader(f))
+assert as_text(names) == read_csv(DAY / "day-42-names.csv")  # the journal's table
 assert {r["type"] for r in names} == {"counter", "gauge", "histogram"}
 assert all(r["samples"] == 12 + 1 + 2 for r in names if r["type"] == "histogram")  # bounds, +Inf, count, sum
 
@@ -139,8 +139,7 @@ counts = metricsbench.counts_table(after, sent)
 for r in counts:
     print(f"{r['metric']:>48} = {r['from_metrics']:>4}   {r['from_client']}: {r['client_count']}")
 assert all(r["equal"] == "yes" for r in counts)
-with open(DAY / "day-42-counts.csv") as f:
-    assert [{k: str(v) for k, v in r.items()} for r in counts] == list(csv.DictReader(f))
+assert as_text(counts) == read_csv(DAY / "day-42-counts.csv")
 print("every count equals the client's")
 
 # %% [markdown]
@@ -233,8 +232,7 @@ print(f"its median ~ {1000 * quantile(as_cumulative, 0.5):.1f} ms, "
 # lifespan stops the engine loop, and the port closes.
 
 # %%
-with open(DAY / "day-42-requests.csv") as f:
-    committed = list(csv.DictReader(f))
+committed = read_csv(DAY / "day-42-requests.csv")
 facts = ["request", "prompt_tokens", "max_tokens", "status", "completion_tokens", "finish_reason"]
 assert [[str(r[k]) for k in facts] for r in sent] == [[r[k] for k in facts] for r in committed]
 print("the script's requests:", len(committed), "| status codes", sorted({r["status"] for r in committed}))
@@ -253,12 +251,14 @@ for ax, name, title in zip(axes[:2], metricsbench.HISTOGRAMS, ["time to first to
     x = range(len(cum))
     ax.bar(x, [c for _, c in cum], color="#cfd8e3", label="cumulative (_bucket, as sent)")
     ax.bar(x, inside, 0.5, color="tab:blue", label="in the bucket (difference)")
-    ax.axhline(count, color="k", ls=":", lw=1, label=f"_count = {int(count)}")
+    # (a legend hides a label that starts with "_")
+    ax.axhline(count, color="k", ls=":", lw=1, label=f"the count (_count) = {int(count)}")
     ax.set_xticks(list(x), labels, rotation=60, fontsize=8)
     ax.set_xlabel("bucket upper bound le (ms)")
     ax.set_ylabel("observations")
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="center right")
+    ax.set_ylim(0, 1.45 * count)  # headroom: the legend sits above the bars
+    ax.legend(fontsize=8, loc="upper center", ncol=2, frameon=False)
 ax = axes[2]
 cum, inside, count, _ = hist["nanoserve_inter_token_latency_seconds"]
 ax.bar([0, 1], [sum(inside), sum(per_bucket_wrong(cum))], color=["tab:blue", "tab:red"])
@@ -303,9 +303,12 @@ display(Image(filename=str(path)))
 #
 # ## Try it
 #
-# 1. **Watch a request in flight.** Send one completion of 200 tokens from a thread and scrape
-#    while it runs. The check: `nanoserve_requests_running` is 1 and `nanoserve_kv_blocks_used`
-#    is more than 0 mid-request, and both are 0 after it.
+# 1. **Break the token counter on purpose.** Before section 2, replace the loop's hook with one
+#    that forgets the first token of each request: `m = app.state.metrics`, then
+#    `def token(stream, now, n=1)` that observes TTFT or the gap as `Metrics.token` does but calls
+#    `m.generation_tokens.inc(n)` only in the gap branch, and `m.token = token`. Rerun sections
+#    2-4. The check: section 4's assert fails, and the row of `nanoserve_generation_tokens_total`
+#    says 190 where the client counted 206, one token short for each of the 16 requests.
 # 2. **A client that leaves.** Stream a completion with httpx and close the response after the
 #    first chunk. The check: `nanoserve_requests_total{finish_reason="abort"}` appears with 1,
 #    and the `length` count does not move.

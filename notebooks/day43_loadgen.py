@@ -36,13 +36,20 @@
 # 3. 16 requests from 4 clients against the server, then the same client against a second
 #    server that runs one request at a time,
 # 4. a TPOT that counts the first token's wait, caught,
-# 5. the day's script (`days/day43/loadbench.py`): the concurrency sweep, and the diagram.
+# 5. an open loop: requests that arrive at Poisson times whether or not the server keeps up,
+#    below and above what it serves, and the goodput under a latency objective,
+# 6. the day's script (`days/day43/loadbench.py`): the concurrency sweep, the rates, the diagram.
+#
+# The server's engine is the one of day 43 (`engine_config(43, ...)` in the script's
+# `make_engine`): the prefill-first schedule, the gather read of the KV pool, the model's own
+# linears, a decode step of torch ops.
 
 # %%
 import contextlib
 import csv
 import io
 import math
+import random
 import statistics
 import sys
 
@@ -226,13 +233,94 @@ print(f"second server, 16 requests: TPOT p50 right {1000 * statistics.median(rig
       f"({statistics.median(wrong) / statistics.median(right):.1f} x)")
 
 # %% [markdown]
-# ## 5. The day's script: the concurrency sweep
+# ## 5. An open loop, and goodput
+#
+# Every load so far was a closed loop: a client sends its next request only when its last one
+# is answered, so a slow server slows its clients down and the queue can never hold more than
+# the number of clients. Users of a public endpoint do not wait for each other. An open loop
+# sends requests at times fixed in advance, whatever the server is doing: a Poisson process at
+# `rate` requests a second, whose gaps are independent draws from an exponential distribution
+# of mean 1 / rate. Below what the server sustains, each request finds it mostly free; above
+# it, the requests arrive faster than they leave, the queue grows for as long as they keep
+# coming, and so does every later request's TTFT.
+#
+# First the arrival times by hand, a running sum of seeded exponential gaps, equal to
+# `loadgen.poisson_arrivals`; then their mean gap over many draws; then a rate that is not a
+# rate, refused.
+
+# %%
+def arrivals_by_hand(n, rate, seed):
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)  # one exponential gap
+        out.append(t)
+    return out
+
+
+assert arrivals_by_hand(16, 8.0, 0) == loadgen.poisson_arrivals(16, 8.0, seed=0)
+print("16 arrivals at 8 req/s, seed 0 (s):", [round(t, 3) for t in loadgen.poisson_arrivals(16, 8.0)])
+many = loadgen.poisson_arrivals(10_000, 8.0, seed=0)
+gaps_many = [b - a for a, b in zip([0.0] + many, many)]
+print(f"10,000 gaps at 8 req/s: mean {statistics.fmean(gaps_many):.4f} s (1 / rate = 0.125), "
+      f"sd {statistics.pstdev(gaps_many):.4f} s (an exponential's sd is its mean)")
+assert abs(statistics.fmean(gaps_many) - 1 / 8) < 0.005
+assert loadgen.poisson_arrivals(16, 8.0, seed=0) == loadgen.poisson_arrivals(16, 8.0, seed=0)
+try:
+    loadgen.poisson_arrivals(16, -8.0)
+except ValueError as e:
+    print("rate -8 ->", e)
+else:
+    raise AssertionError("a negative rate was accepted")
+
+# %% [markdown]
+# The same 16 requests, sent open-loop to a fresh `max_batch` 8 server at two rates: 8 a second,
+# below what it sustains (eight closed-loop clients got 18.38 a second out of it in the script's
+# run, section 6), and 256 a second, which hands it all 16 in well under a tenth of a second.
+# Goodput counts the requests that came back whole and met a service-level objective;
+# DistServe's definition, which vLLM's benchmark takes as `--goodput ttft:X tpot:Y`. The
+# objective here, stated before the run: TTFT at most 250 ms and TPOT at most 25 ms
+# (`loadbench.SLO_TTFT_MS`, `SLO_TPOT_MS`). The count by hand must equal `loadgen.goodput`'s.
+
+# %%
+def good_by_hand(report, ttft_ms, tpot_ms):
+    return sum(r.complete and 1000 * r.ttft <= ttft_ms and 1000 * (r.tpot or 0.0) <= tpot_ms
+               for r in report.results)  # fmt: skip
+
+
+third = ServerThread(create_app(loadbench.make_engine(model, tok)))
+with contextlib.redirect_stderr(io.StringIO()):
+    url_c = third.__enter__()
+opened = {rate: loadbench.open_load(url_c, reqs, rate, seed=0) for rate in (8.0, 256.0)}
+third.__exit__(None, None, None)
+slo = {"ttft_ms": loadbench.SLO_TTFT_MS, "tpot_ms": loadbench.SLO_TPOT_MS}
+for rate, rep in opened.items():
+    s, g = loadgen.summarize(rep), loadgen.goodput(rep, **slo)
+    assert g["good"] == good_by_hand(rep, **slo)
+    sent = [r.sent_at for r in rep.results]
+    want = loadgen.poisson_arrivals(16, rate, seed=0)
+    assert all(abs(a - b) < 0.25 for a, b in zip(sent, want))  # sent on schedule, not on answers
+    print(f"rate {rate:>5}: requests {s['requests']}, incomplete {s['incomplete']}, "
+          f"output tokens {s['output_tokens']}; goodput by hand = loadgen.goodput")
+    assert s["incomplete"] == 0 and s["output_tokens"] == 375
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for rate, rep in opened.items():
+    s, g = loadgen.summarize(rep), loadgen.goodput(rep, **slo)
+    print(f"rate {rate:>5} req/s: peak in flight {s['concurrency']}, TTFT p50 {s['ttft_p50_ms']} ms / p99 "
+          f"{s['ttft_p99_ms']} ms, TPOT p50 {s['tpot_p50_ms']} ms, {g['good']} of 16 met the objective, "
+          f"goodput {g['goodput_req_s']} req/s")
+
+# %% [markdown]
+# ## 6. The day's script: the concurrency sweep and the rates
 #
 # `days/day43/loadbench.py` does all of this in one run: the timed stream (`day-43-stream.csv`),
 # each figure by hand beside `summarize`'s (`day-43-definitions.csv`), and the same 16 requests
 # at 1, 2, 4 and 8 clients against the `max_batch` 8 server, then 4 clients against the
-# `max_batch` 1 one (`day-43-load.csv`). The deterministic columns must equal this notebook's
-# runs; the timings are that run's clock, on a shared 2-core machine.
+# `max_batch` 1 one (`day-43-load.csv`); then 48 other requests open-loop at 4, 16, 64 and 256 a
+# second against the `max_batch` 8 server, with the goodput under the objective above
+# (`day-43-open.csv`). The deterministic columns must equal this notebook's runs; the timings
+# are that run's clock, on a shared 2-core machine.
 
 # %%
 with open(DAY / "day-43-load.csv") as f:
@@ -249,15 +337,30 @@ facts = ["requests", "concurrency", "incomplete", "output_tokens"]
 row4 = {r["server"]: r for r in sweep if r["concurrency"] == "4"}
 assert [row4["max_batch 8"][k] for k in facts] == [str(sum_a[k]) for k in facts]
 assert [row4["max_batch 1"][k] for k in facts] == [str(sum_b[k]) for k in facts]
+with open(DAY / "day-43-open.csv") as f:
+    rates = list(csv.DictReader(f))
+open_reqs = loadbench.workload(48, seed=1)
+for r in rates:
+    print(f"open loop {r['request_rate']:>6} req/s  requests {r['requests']}  incomplete {r['incomplete']}  "
+          f"output tokens {r['output_tokens']}  objective TTFT <= {r['slo_ttft_ms']} ms, "
+          f"TPOT <= {r['slo_tpot_ms']} ms")
+    assert (r["requests"], r["incomplete"]) == ("48", "0")
+    assert int(r["output_tokens"]) == sum(q.max_tokens for q in open_reqs)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 for r in sweep:
     print(f"{r['server']:>12} x{r['concurrency']}: {float(r['output_tok_s']):.1f} tok/s, "
           f"TTFT p50 {r['ttft_p50_ms']} ms, ITL p50 {r['itl_p50_ms']} ms, TPOT p50 {r['tpot_p50_ms']} ms")
+capacity = float(next(r for r in sweep if r["server"] == "max_batch 8" and r["concurrency"] == "8")["req_s"])
+print(f"closed loop, 8 clients: {capacity} req/s served")
+for r in rates:
+    print(f"open loop {float(r['request_rate']):>5.0f} req/s: served {r['req_s']} req/s, peak in flight "
+          f"{r['peak_in_flight']}, TTFT p50 {r['ttft_p50_ms']} ms / p99 {r['ttft_p99_ms']} ms, TPOT p50 "
+          f"{r['tpot_p50_ms']} ms, goodput {r['goodput_req_s']} req/s ({r['good']} of 48)")
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
 fig.suptitle("Day 43 — a load generator's four figures (tiny Llama behind HTTP, CPU, shared)", fontsize=13)
 ax = axes[0]
 ts = [1000 * (t - stream["sent"]) for t, _ in stream["chunks"]]
@@ -296,6 +399,26 @@ ax.set_xlabel("second server's 16 requests, by TTFT (queue wait) ascending")
 ax.set_ylabel("ms per token")
 ax.set_title("max_batch 1, 4 clients: the wait leaks into e2e / n")
 ax.legend(fontsize=8)
+
+ax = axes[3]
+rs = [float(r["request_rate"]) for r in rates]
+ax.plot(rs, [float(r["ttft_p50_ms"]) for r in rates], "s--", color="tab:orange", label="TTFT p50 (ms)")
+ax.plot(rs, [float(r["ttft_p99_ms"]) for r in rates], "v-", color="tab:red", label="TTFT p99 (ms)")
+ax.axhline(loadbench.SLO_TTFT_MS, color="grey", lw=0.8, ls=":", label="objective: TTFT 250 ms")
+ax.axvline(capacity, color="tab:green", lw=1, label=f"closed loop x8 served {capacity:.1f} req/s")
+ax.set_xscale("log", base=2)
+ax.set_xticks(rs, [f"{x:g}" for x in rs])
+ax.set_xlabel("open loop: arrivals per second (Poisson, 48 requests)")
+ax.set_ylabel("ms")
+ax2 = ax.twinx()
+ax2.bar(rs, [int(r["good"]) for r in rates], width=[x * 0.25 for x in rs], alpha=0.25, color="tab:blue",
+        label="requests within the objective (of 48)")  # fmt: skip
+ax2.set_ylabel("requests within the objective")
+ax2.set_ylim(0, 52)
+lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="upper center",
+          bbox_to_anchor=(0.5, -0.16), ncol=2)  # fmt: skip
+ax.set_title("open loop (days/day43/day-43-open.csv)")
 fig.tight_layout()
 path = diagram_path("day43-loadgen.png")
 fig.savefig(path, dpi=110)
@@ -312,7 +435,8 @@ display(Image(filename=str(path)))
 #   rather than running a fixed set of clients: `--request-rate` draws the gaps between
 #   arrivals from a Poisson process, or a gamma process when `--burstiness` is not 1, and
 #   `--max-concurrency` caps how many are in flight, which is all `run_load`'s `concurrency`
-#   does.
+#   does. `run_open_loop` is `--request-rate` with a burstiness of 1 and no cap, and
+#   `loadgen.goodput` is its `--goodput ttft:X tpot:Y` (it also accepts an `e2el` bound).
 # * **SGLang** ships `python -m sglang.bench_serving`, which reports the same figures and, with
 #   `--backend` (`vllm`, `lmdeploy`, `trt`, its own `sglang`), loads servers other than its own,
 #   as the script's `--url` does.
@@ -329,10 +453,12 @@ display(Image(filename=str(path)))
 #
 # ## Try it
 #
-# 1. **Open-loop arrivals.** Replace `run_load`'s fixed clients with requests sent at Poisson
-#    times (`random.expovariate(rate)` gaps) at rates of 20 and 200 requests per second. The
-#    check: at the higher rate TTFT p50 grows while TPOT p50 grows much less, since queueing
-#    delays the first token and batching shares each step.
+# 1. **Bursty arrivals.** vLLM's `--burstiness` draws the gaps from a gamma distribution of
+#    shape k and mean 1 / rate instead of an exponential (k = 1). Write
+#    `gamma_arrivals(n, rate, k, seed)` with `random.Random(seed).gammavariate(k, 1 / (rate * k))`
+#    gaps. The check: over 10,000 arrivals at 8 a second, the mean gap is within 2% of 0.125 s for
+#    k = 0.25 and k = 4, and the gaps' sd over their mean is close to 1 / sqrt(k) (2 and 0.5),
+#    against section 5's exponential, whose ratio is 1.
 # 2. **ITL per chunk or per token.** Recompute section 2's ITL as one sample per chunk (the raw
 #    gap) instead of one per token. The check: the median moves, and the sum of the per-token
 #    samples still equals the last chunk's arrival minus the first's.

@@ -35,7 +35,12 @@
 # 3. a limit written one off, caught against the server's own answers,
 # 4. the body cap at the cap and one byte over, with and without Content-Length,
 # 5. the drain, with a timeout that lets the work finish and one that cuts it,
-# 6. the day's script (`days/day44/backpressure.py`): its three tables, and the diagram.
+# 6. TTFT under overload: yesterday's open-loop client above what the engine serves, with the
+#    server's default queue and with a limit of 4,
+# 7. the day's script (`days/day44/backpressure.py`): its four tables, and the diagram.
+#
+# The engine is the one of day 44 (`engine_config(44, ...)` in the script's `make_engine`): the
+# prefill-first schedule, the gather read of the KV pool, plain linears, torch ops a step.
 
 # %%
 import contextlib
@@ -188,12 +193,66 @@ assert (cut["status_503"], cut["drain_cut"]) == (3, 3)
 assert all(r["health_status"] == "draining" and r["new_retry_after"] == "5" for r in drains)
 
 # %% [markdown]
-# ## 6. The diagram
+# ## 6. TTFT under overload
 #
-# Left: each queue limit's answers. Middle: the body cap's four answers. Right: the two drains.
+# Sections 2 to 5 held the engine still to count refusals. Here it runs. The script's
+# `probe_overload` uses day 43's open loop (`loadgen.run_open_loop`): requests arrive at Poisson
+# times at 256 a second, against an engine of 2 rows, so they come far faster than it finishes
+# them, and nobody waits for an answer before sending the next. With the server's default limit
+# (1024 places, so in practice none) every request is taken and waits its turn; with
+# `max_waiting` 4 the ones that find four already waiting get 429 at once. What the served
+# requests see is the question: their time to first token, and how many of them met day 43's
+# objective (TTFT at most 250 ms, TPOT at most 25 ms). The notebook sends 24 requests each way;
+# the script sends 48.
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+with quiet:
+    open_rows = [backpressure.probe_overload(model, 256.0, 24, w) for w in (backpressure.DEFAULT_WAITING, 4)]
+unlimited, limited = open_rows
+print(f"no limit: {unlimited['status_200']} of {unlimited['requests']} served, "
+      f"{unlimited['status_429']} refused")
+assert unlimited["status_200"] == 24 and unlimited["status_429"] == 0 and unlimited["other"] == 0
+assert limited["status_200"] + limited["status_429"] == 24 and limited["status_429"] > 0
+assert limited["ttft_max_ms"] < unlimited["ttft_max_ms"]  # a short queue: a short worst wait
+print("max_waiting 4: some refused, every other one served; the longest TTFT is shorter than without")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for r in open_rows:
+    print(f"max_waiting {r['max_waiting']:>4}: 200 x{r['status_200']}, 429 x{r['status_429']}, TTFT p50 "
+          f"{r['ttft_p50_ms']} ms, p99 {r['ttft_p99_ms']} ms, max {r['ttft_max_ms']} ms, TPOT p50 "
+          f"{r['tpot_p50_ms']} ms, goodput {r['goodput_req_s']} req/s ({r['good']} met the objective)")
+
+# %% [markdown]
+# The script's run (`day-44-overload.csv`, 48 requests; every column after `requests` is that
+# run's clock or depends on it, on a shared machine):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+overload = read("overload")
+cols = ["max_waiting", "requests", "status_200", "status_429", "peak_in_flight", "ttft_p50_ms",
+        "ttft_p99_ms", "ttft_max_ms", "tpot_p50_ms", "good", "goodput_req_s"]  # fmt: skip
+print(" | ".join(cols))
+for r in overload:
+    print(" | ".join(r[c] for c in cols))
+
+# %%
+assert [(r["max_waiting"], r["requests"], r["request_rate"]) for r in overload] == [
+    ("1024", "48", "256.0"), ("4", "48", "256.0")]  # fmt: skip
+assert overload[0]["status_429"] == "0" and int(overload[1]["status_429"]) > 0
+assert float(overload[1]["ttft_max_ms"]) < float(overload[0]["ttft_max_ms"])
+
+# %% [markdown]
+# ## 7. The diagram
+#
+# Left: each queue limit's answers. Middle left: the body cap's four answers. Middle right: the
+# two drains. Right: the script's overload run, TTFT of the served requests with and without
+# the limit, and how many were refused.
+
+# %%
+fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
+fig.suptitle("Day 44 — backpressure: 429 at the queue, 413 at the body cap, 503 while draining, "
+             "and TTFT under overload (tiny Llama, CPU, shared)", fontsize=12)  # fmt: skip
 ax = axes[0]
 xs = range(len(saved))
 ax.bar(xs, [int(r["status_200"]) for r in saved], label="200")
@@ -216,9 +275,19 @@ ax.bar([0, 1], [r["status_200"] for r in drains], label="in flight: 200")
 cut_503 = [r["status_503"] for r in drains]
 ax.bar([0, 1], cut_503, bottom=[r["status_200"] for r in drains], label="in flight: cut, 503")
 ax.set_xticks([0, 1], names)
+ax.set_ylim(0, 4.2)
 ax.set_ylabel("requests in flight at the drain")
 ax.set_title("drain: new requests 503 + Retry-After")
 ax.legend()
+ax = axes[3]
+names = [f"max_waiting {r['max_waiting']}\n200 x{r['status_200']}, 429 x{r['status_429']}" for r in overload]
+for i, key in enumerate(("ttft_p50_ms", "ttft_p99_ms", "ttft_max_ms")):
+    ax.bar([j + 0.27 * (i - 1) for j in range(len(overload))], [float(r[key]) for r in overload], 0.27,
+           label=key.replace("_ms", "").replace("_", " "))  # fmt: skip
+ax.set_xticks(range(len(overload)), names, fontsize=8)
+ax.set_ylabel("ms (the script's run)")
+ax.set_title(f"open loop at {float(overload[0]['request_rate']):.0f} req/s, 2 rows: TTFT of the served")
+ax.legend(fontsize=8)
 fig.tight_layout()
 path = diagram_path("day44-backpressure.png")
 fig.savefig(path, dpi=90)
@@ -245,11 +314,14 @@ display(Image(str(path)))
 # %% [markdown]
 # ## Try it
 #
-# 1. Run `python days/day44/backpressure.py --max-waiting 0 1 2 4 8 --extra 3` and check that
-#    every row has `admitted` equal to `max_waiting` and `status_429` equal to 3.
-# 2. Break it on purpose: make `body_answer` refuse a body of exactly the cap (`size >= cap`)
-#    and watch the assert in section 4 fail on the 256-byte rows.
-# 3. Send a body of 4 MiB + 1 byte to a server built with the default cap and check it gets 413
-#    with code `request_too_large`.
-# 4. In `probe_drain`, release the engine only after 0.5 s with a drain timeout of 0.3 s: predict
-#    `drain_cut`, then run it.
+# 1. **More limits.** Run `python days/day44/backpressure.py --max-waiting 0 1 2 4 8 --extra 3
+#    --out /tmp/day44` (a folder of your own: the run writes all four tables). The check: every
+#    row of `/tmp/day44/day-44-queue.csv` has `admitted` equal to `max_waiting` and `status_429`
+#    equal to 3.
+# 2. **Break the body rule on purpose.** Make `body_answer` refuse a body of exactly the cap
+#    (`size >= cap`) and rerun sections 1 and 4. The check: the assert in section 4 fails on the
+#    first 256-byte row, whose status the server gave as 200.
+# 3. **A longer queue.** Run `backpressure.probe_overload(model, 256.0, 24, 12)` under section
+#    6's rows. The check: its `status_200 + status_429` is 24, it refuses fewer than the limit of
+#    4 did (`limited["status_429"]`), and its `ttft_max_ms` lies between `limited`'s and
+#    `unlimited`'s: each place in the queue is a request served, later.

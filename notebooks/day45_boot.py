@@ -21,13 +21,12 @@
 # `nanoserve serve` with a few options. Between that line and the first answered request sits
 # the boot path, and it has an order that matters. Cheap checks come first, so a typo in an
 # option costs a sentence and not ten seconds of loading; the weights are read and the model
-# built; the linears are packed; the KV pool is planned from its budget and allocated; the
-# warm list is recorded; and only then does the server say it is ready.
+# built; the KV pool is planned from its budget; and only then does the server say it is ready.
 #
 # `build_engine(config, on_phase)` is that path in one call, and `on_phase` is how whoever
 # called it learns which stage it is in. The server passes a callback that sets the phase
-# `/health` reports, so a load balancer that asks during boot gets 503 "loading" or
-# "warming" rather than a refused connection.
+# `/health` reports, so a load balancer that asks during boot gets 503 "loading" rather than a
+# refused connection.
 #
 # 1. the boot by hand, one phase per line, each timed,
 # 2. configs refused before anything loads, two that can only be refused after, and a careless
@@ -55,7 +54,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, ServerThread, diagram_path
+from nanocourse import REPO, ServerThread, diagram_path, engine_config
 from nanoserve.bench import cpu_line
 from nanoserve.cli import main as cli_main
 from nanoserve.config import EngineConfig
@@ -64,7 +63,6 @@ from nanoserve.models import Llama, LlamaConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app
 from nanoserve.tokenizer import Tokenizer
-from nanoserve.warmup import warm_shapes
 from nanoserve.weights import load_state_dict, resolve_model_dir
 
 sys.path.insert(0, str(REPO / "days" / "day45"))
@@ -72,18 +70,21 @@ import boot  # the day's script: its config, its bad configs, its tables
 
 torch.set_num_threads(1)
 print(cpu_line())
-config = EngineConfig(**boot.BASE)
+config = engine_config(45, **boot.BASE)  # the engine as it stands today, with the day's sizes
 print({k: getattr(config, k) for k in boot.BASE})
+print({k: getattr(config, k) for k in ("schedule", "attention", "linear", "decode_step", "watermark")})
 
 # %% [markdown]
 # ## 1. The boot by hand
 #
-# The day's config (the script's `BASE`): 4 rows, a context of 512 tokens, a KV budget of
-# 64 MiB, and days 51-54's decode path on, with the warm list cut at width 64. Each line below is
-# one phase of `build_engine`, in its order, timed on its own. Reading the safetensors file is
-# fast because it is memory-mapped; building the model copies every tensor into it; packing
-# reorders the linears once for oneDNN; `Engine(...)` plans the pool (arithmetic, no memory
-# yet); `warm_trim` allocates every layer's K and V pools; `warm_decode` records the graphs.
+# The day's config (the script's `BASE`, on top of the engine of day 45): 4 rows, a context of
+# 512 tokens, a KV budget of 64 MiB, the prefill-first schedule, the gather read of the pool,
+# the model's own linears and a decode step of torch ops. Each line below is one phase of
+# `build_engine`, in its order, timed on its own. Reading the safetensors file is fast because
+# it is memory-mapped; building the model copies every tensor into it; `Engine(...)` plans the
+# pool (arithmetic: no memory yet, each layer's K and V are allocated at the first write to it).
+# Today's boot ends there. Day 56 adds a "warming" stage to it (allocate the pool, record the
+# decode graphs of days 51-54), and day 59 a packing of the linears.
 
 # %%
 timings = []
@@ -107,20 +108,12 @@ with phase("model"):
     model.load_hf_state_dict(state)
     model.eval()
     tokenizer = Tokenizer.from_dir(model_dir)
-with phase("packing"):
-    linear = Engine._pack(model, config)
 with phase("pool plan"):
     engine = Engine(model, tokenizer, config)
-with phase("pool allocated"):
-    max_rows, max_width, ceiling = engine.warm_trim()
-with phase("warm list"):
-    report = engine.warm_decode(max_rows, max_width)
 engine.model_name = model_dir.name
-print(f"{len(state)} tensors read | linears {linear} | pool planned: {engine.pool.num_blocks} blocks of "
-      f"{engine.pool.block_size} | allocated: {engine.cache.allocated_bytes:,} bytes")
-print(f"warm trim: rows {max_rows}, width {max_width} | list: {report.shapes}")
-assert linear == "packed" and report.shapes == warm_shapes(4, 512, 32, max_rows=4, max_width=64)
-assert engine.cache.allocated_bytes == (engine.pool.num_slots + 1) * 2 * 30 * 3 * 64 * 4  # + the sink slot
+print(f"{len(state)} tensors read | linears {engine.linear} | pool planned: {engine.pool.num_blocks} blocks "
+      f"of {engine.pool.block_size} | allocated so far: {engine.cache.allocated_bytes:,} bytes")
+assert engine.linear == "plain" and engine.cache.allocated_bytes == 0
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -177,7 +170,7 @@ def careless_boot(config, on_phase):
     config.validate()
 
 
-bad = EngineConfig(**{**boot.BASE, "max_batch": 0})
+bad = engine_config(45, **{**boot.BASE, "max_batch": 0})
 print("build_engine:", check_refused_before_loading(build_engine, bad))
 try:
     check_refused_before_loading(careless_boot, bad)
@@ -213,11 +206,11 @@ assert cli_rows[0]["message"] == err.getvalue().strip()
 # ## 4. `build_engine` behind a server
 #
 # `build_engine(config, on_phase)` runs the phases of section 1 in the same order, after
-# validating the config. It reports two of them: "loading" once the config has passed its
-# checks (weights, model, packing, the pool plan) and "warming" when the warm-up starts (pool
-# allocation and recording). It writes three lines to stderr, not stdout, so that a command
-# whose stdout is its answer keeps it clean: the pool plan, the paths the engine runs (linears,
-# decode attention, schedule) and the warm list.
+# validating the config, and reports "loading" once the config has passed its checks (weights,
+# model, the pool plan); a second report, "warming", belongs to the warm-up day 56 adds, which
+# today's config does not ask for. It writes two lines to stderr, not stdout, so that a command
+# whose stdout is its answer keeps it clean: the pool plan, and the paths the engine runs
+# (linears, decode attention, schedule).
 #
 # `create_app` accepts a builder, `f(on_phase) -> Engine`, and runs it on a background thread
 # once uvicorn starts, so the port answers from the first moment; the `on_phase` it passes sets
@@ -263,7 +256,7 @@ for code, body in answers:
     print("GET /health ->", code, body["status"], "" if code == 200 else body)
 print("a completion while loading:", early.status_code, early.json()["error"])
 print("stderr:", *[ln.replace("·", "\n    ·") for ln in boot_err.getvalue().splitlines()], sep="\n  ")
-assert [(c, b["status"]) for c, b in answers] == [(503, "loading"), (503, "warming"), (200, "ok")]
+assert [(c, b["status"]) for c, b in answers] == [(503, "loading"), (200, "ok")]
 assert early.status_code == 503
 
 # %%
@@ -273,14 +266,15 @@ for (p, t), nxt in zip(reported, [t for _, t in reported[1:]] + [t_done]):
 
 # %% [markdown]
 # The engine the builder made equals the one built by hand in section 1: the same pool plan,
-# the same paths, the same warm list, and, asked through the door with the `openai` client,
-# the same greedy tokens as the hand-built engine gives for the same chat.
+# the same paths, and, asked through the door with the `openai` client, the same greedy tokens
+# as the hand-built engine gives for the same chat. That chat is the hand-built engine's first
+# request, so its pool is allocated now: K and V for every slot of every layer, and one more
+# slot, the sink that padded positions write to.
 
 # %%
 built = app.state.nanoserve.engine
-assert built.pool == engine.pool and built.linear == linear
+assert built.pool == engine.pool and built.linear == engine.linear
 assert built.cache.attention == engine.cache.attention
-assert built.warm_report.shapes == report.shapes
 question = [{"role": "user", "content": "What is a lighthouse?"}]
 (ours,) = engine.generate([question], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
 client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -290,18 +284,19 @@ reply = client.chat.completions.create(
 )
 print(f"by hand: {ours.text!r}\nthrough the door: {reply.choices[0].message.content!r}")
 assert reply.choices[0].message.content == ours.text and reply.choices[0].token_ids == ours.token_ids
+print(f"allocated after the first request: {engine.cache.allocated_bytes:,} bytes")
+assert engine.cache.allocated_bytes == (engine.pool.num_slots + 1) * 2 * 30 * 3 * 64 * 4  # + the sink slot
 del engine, model, state
 
 # %% [markdown]
 # The last stderr line is the boot line, `serve.boot_line`: the model's directory name, dtype and
-# device, the KV pool (blocks, tokens, MB), the warm list (graphs, seconds, MB) and the address.
-# It is printed before the phase turns "ready", so whoever has seen the 200 can also find it.
-# The 200 itself carries the same facts as JSON:
+# device, the KV pool (blocks, tokens, MB) and the address, with "warm list none" for the graphs
+# day 56 records at boot. It is printed before the phase turns "ready", so whoever has seen the
+# 200 can also find it. The 200 itself carries the same facts as JSON:
 
 # %%
 health = answers[-1][1]
 print("pool:", {k: health["pool"][k] for k in ("num_blocks", "block_size", "num_slots", "dtype")})
-print("warm:", {k: health["warm"][k] for k in ("graphs", "max_rows", "max_width", "recording")})
 print("boot line printed before the 200:", "listening on" in boot_err.getvalue().splitlines()[-1])
 server.__exit__(None, None, None)
 
@@ -327,9 +322,14 @@ assert h.status_code == 503 and refused.status_code == 503 and "max_batch must b
 #
 # `days/day45/boot.py` launches `python -m nanoserve serve` with the day's config as options,
 # reads its stderr line by line, asks `/health` every 20 ms, sends one completion once it is
-# 200, and stops it with SIGTERM. `serve()` adds to the in-process path two checks before it
-# listens (the model directory, and that the port can be bound) and a first line saying what
-# `/health` will answer until ready. The table (`day-45-serve.csv`), as that run saw it:
+# 200, and stops it with SIGTERM. The command's defaults are the finished engine's, so the
+# script names today's ways as options (`boot.DAY_OPTIONS`: fp32 weights, plain linears, the
+# gather read, the prefill-first schedule, torch ops a step, no recorded graphs). `serve()` adds
+# to the in-process path two checks before it listens (the model directory, and that the port
+# can be bound) and a first line saying what `/health` will answer until ready; that line names
+# the warming of day 56 too, and the paths line ends with the command's allocator setting,
+# "freed memory kept" (`nanoserve/malloc.py`, of phase 6). The table (`day-45-serve.csv`), as
+# that run saw it:
 
 # %%
 with open(boot.HERE / "day-45-serve.csv") as f:
@@ -337,14 +337,14 @@ with open(boot.HERE / "day-45-serve.csv") as f:
 for e in events:
     print(f"{e['n']:>2} {e['source']:>7}: {e['what'][:110]}")
 statuses = [e["what"] for e in events if e["source"] == "health"]
-assert statuses == ["no answer", "503 loading", "503 warming", "200 ok", "no answer"]
+assert statuses == ["no answer", "503 loading", "200 ok", "no answer"]
 assert events[-2]["what"] == "exit code 0"
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 marks = {e["what"][:22]: float(e["t_s"]) for e in events}
-print(f"first stderr line {events[1]['t_s']} s after launch (imports); '503 warming' at "
-      f"{marks['503 warming']} s; '200 ok' at {marks['200 ok']} s")
+print(f"first stderr line {events[1]['t_s']} s after launch (imports); '503 loading' at "
+      f"{marks['503 loading']} s; '200 ok' at {marks['200 ok']} s")
 
 # %% [markdown]
 # ## 6. The diagram
@@ -366,7 +366,7 @@ ax.set_ylim(-0.6, 0.6)
 
 ax = axes[1]
 health_ev = [(float(e["t_s"]), e["what"]) for e in events if e["source"] == "health"]
-band = {"no answer": "#bbbbbb", "503 loading": "#8da0cb", "503 warming": "#fc8d62", "200 ok": "#66c2a5"}
+band = {"no answer": "#bbbbbb", "503 loading": "#8da0cb", "200 ok": "#66c2a5"}
 end = float(events[-1]["t_s"])
 for (t, what), (t_next, _) in zip(health_ev, health_ev[1:] + [(end + 0.5, "")]):
     ax.axvspan(t, t_next, color=band[what], alpha=0.6, label=what if what not in
@@ -413,13 +413,12 @@ display(Image(str(path)))
 #    `AssertionError: refused only after ['loading']: max_batch must be at least 1, got 0`,
 #    the line the careless boot prints in its cell. The user's sentence is the same; only the
 #    phase reported before it gives the mistake away.
-# 2. **One more bad config.** Append `("block_size 0", {"block_size": 0})` to
-#    `boot.BAD_CONFIGS` and rerun section 2. The check: the new last row reads `before loading`,
-#    phases `none`, `ValueError: block_size must be at least 1, got 0`, and the cell's assert
-#    against the committed `day-45-refusals.csv` then fails, because the table has a row the
-#    file does not.
-# 3. **A longer warm list.** Copy `days/day45/day-45-serve.csv` aside (the run rewrites it), then
-#    run `python days/day45/boot.py --only serve --warm-max-width 128`. The check: its
-#    `warm list:` line counts 12 graphs, as many as
-#    `len(warm_shapes(4, 512, 32, max_rows=4, max_width=128))`, against the 6 of the committed
-#    table: widths 96 and 128 join 32 and 64 at each of the three row counts.
+# 2. **One more bad config.** Append `("dtype int8", {"dtype": "int8"})` to `boot.BAD_CONFIGS`
+#    and rerun section 2. The check: the new last row reads `before loading`, phases `none`,
+#    `ValueError: dtype must be float32 or bfloat16, got 'int8'`, and the cell's assert against
+#    the committed `day-45-refusals.csv` then fails, because the table has a row the file does not.
+# 3. **One more bad option.** Append `("--max-model-len", "1")` to `boot.BAD_OPTIONS` and run
+#    `boot.cli_table()` (five subprocesses, and the new one). The check: the new last row has
+#    `exit_code` 1, `stderr_lines` 1, `traceback` no and the message
+#    `nanoserve: error: max_model_len must be at least 2, got 1`: the config's own sentence,
+#    reached through the command line without loading a weight.

@@ -36,6 +36,11 @@
 # 4. a planted leak (aborts that forget their blocks), caught by the same check,
 # 5. the day's script (`days/day46/soak.py`, 96 clients in two rounds), read back,
 # 6. the diagram.
+#
+# The engine is the one of day 46 (`engine_config(46, ...)` in `soak.make_engine`): the
+# prefill-first schedule, the gather read of the KV pool, the model's own linears, torch ops a
+# step, behind the engine loop `create_app` has started since day 35 (tomorrow takes that loop
+# apart); today only the books at the end matter.
 
 # %%
 import csv
@@ -214,7 +219,7 @@ with open(REPO / "days" / "day46" / "day-46-soak.csv") as f:
 with open(REPO / "days" / "day46" / "day-46-ledger.csv") as f:
     ledger = list(csv.DictReader(f))
 for r in table:
-    print({k: v for k, v in r.items() if k != "p50_s"})
+    print({k: v for k, v in r.items() if k not in ("p50_s", "cpu")})
 facts = ["run", "clients", "finished", "aborted", "refused", "server_length", "server_abort", "blocks_leaked",
          "healthy_equal_clean", "check"]  # fmt: skip
 for r in ledger:

@@ -35,6 +35,10 @@
 #    and what every request, `/health` and the next request get (`days/day47/loopfaults.py`),
 # 4. the hand-made loop under the same fatal fault: a check that nobody waits catches it,
 # 5. the diagram.
+#
+# The engine is the one of day 47 (`engine_config(47, ...)` in `loopfaults.make_engine`): the
+# prefill-first schedule, the gather read of the KV pool, the model's own linears, torch ops a
+# step.
 
 # %%
 import contextlib
@@ -53,7 +57,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, ServerThread, diagram_path, tiny_llama
+from nanocourse import REPO, ServerThread, diagram_path, read_csv, tiny_llama
 from nanoserve.bench import cpu_line
 from nanoserve.engine import RequestOutput
 from nanoserve.loop import Accepted, EngineLoop, Refused
@@ -347,6 +351,52 @@ path = diagram_path("day47-loop.png")
 fig.savefig(path, dpi=80, bbox_inches="tight")
 plt.close(fig)
 display(Image(str(path)))
+
+# %% [markdown]
+# ## 6. Phase 4, from its first day to its last
+#
+# Phase 4 (days 34-47) put the engine behind a server a real client can use: the engine's API
+# (day 34), an HTTP server (35), OpenAI's completions and chat (36-37), streaming (38),
+# disconnects (39), bad input (40), `/health` and `/metrics` (41-42), a load generator (43),
+# backpressure (44), the boot (45), a soak (46) and today's loop. The committed CSVs, first to
+# last:
+
+# %%
+days_dir = REPO / "days"
+api = {r["way"]: r for r in read_csv(days_dir / "day34" / "day-34-engine.csv")}
+print(
+    f"day 34: 32 requests in-process, one at a time {api['greedy_tokens']['tok_s']} tok/s, "
+    f"through the engine's batch {api['engine.generate']['tok_s']} tok/s (tiny model)"
+)
+load = read_csv(days_dir / "day43" / "day-43-load.csv")
+best = max(load, key=lambda r: float(r["output_tok_s"]))
+print(
+    f"day 43: over HTTP, {best['concurrency']} streaming clients, {best['server']}: "
+    f"{best['output_tok_s']} output tok/s, TTFT p50 {best['ttft_p50_ms']} ms, incomplete {best['incomplete']}"
+)
+over = read_csv(days_dir / "day44" / "day-44-overload.csv")
+for r in over:
+    print(
+        f"day 44: 256 req/s into 2 rows, queue limit {r['max_waiting']}: {r['status_200']} served, "
+        f"{r['status_429']} refused, TTFT p50 {r['ttft_p50_ms']} ms"
+    )
+ledger = {r["run"]: r for r in read_csv(days_dir / "day46" / "day-46-ledger.csv")}
+clean = ledger["clean"]
+print(
+    f"day 46: soak of {clean['clients']} clients: {clean['finished']} finished, {clean['aborted']} "
+    f"aborted, {clean['refused']} refused, {clean['check']}; "
+    f"the planted leak: {ledger['planted leak']['check']}"
+)
+faults = [r for r in read_csv(days_dir / "day47" / "day-47-faults.csv") if r["fault"] != "none"]
+after = [r["blocks_used_after"] for r in faults]
+print(f"day 47: {len(faults)} planted faults, KV blocks in use after each: {after}")
+assert clean["check"] == "nothing lost" and all(r["blocks_used_after"] == "0" for r in faults)
+
+# %% [markdown]
+# Every request the server takes now finishes or is reported ended, every block comes back, and
+# a fault ends only what it touched. The step itself is untouched since phase 3: a decode step
+# of the default model is still hundreds of small operations called from Python. Phase 5 begins
+# tomorrow by profiling one.
 
 # %% [markdown]
 # ## In the real systems

@@ -483,5 +483,5 @@ display(Image(filename=png))
 # 3. **One thread.** `torch.set_num_threads(1)`, then profile batch 1 again. `linear` then calls
 #    `F.linear` once per matrix instead of splitting the weight into slabs. Check:
 #    `p.py_calls["qkv_proj"] == 30`, `p.py_calls["head"] == 1`, and the step's `py_calls` is
-#    726 fewer (6 calls saved on each of 121 matrices). Put `torch.set_num_threads(2)` back
+#    6 calls fewer for each of the 121 matrices. Put `torch.set_num_threads(2)` back
 #    before re-running the rest.

@@ -432,7 +432,7 @@ display(Image(filename=png))
 #    re-run. `linear` then skips its slab split (one `F.linear` call per matrix instead of 7),
 #    so predict each 30-layer model's `py_calls`: 6 x 121 matrices fewer. Check: the assert
 #    against the committed CSV in section 2 fails with `rerun`, and
-#    `kept[lb.DEFAULT, 1].py_calls` is the CSV's `py_calls` less 726.
+#    `kept[lb.DEFAULT, 1].py_calls` is the CSV's `py_calls` less 6 calls for each of the 121 matrices.
 # 3. **Price an op from two depths.** The one-row price of section 5 charges every op with
 #    whatever else was in that row. Fit it instead from the two h64 models, whose layers are
 #    identical: `(step - floor)` of h64-l30 less that of h64-l4, over the difference in

@@ -38,13 +38,12 @@
 # 1. a graph in ten lines, then the package's,
 # 2. toys: new numbers in a bound tensor, a frozen int, a frozen list, a rebound name, a moved storage,
 # 3. a real decode step of a tiny random Llama, recorded through the engine's runner and replayed
-#    on the next step, with its inputs written in place and with `positions` a fresh tensor,
+#    on the next step: as is, with the step's inputs copied in, and with `positions` left out,
 # 4. which fields of a `StepPlan` are bound and which frozen,
 # 5. the day's tables (`days/day50/graphs.py`) and diagram.
 
 # %%
 import copy
-import csv
 import inspect
 import statistics
 import sys
@@ -56,7 +55,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, read_csv, tiny_llama
 from nanoserve.capture import HostGraph, ReplayError
 
 sys.path.insert(0, str(REPO / "days" / "day50"))
@@ -153,14 +152,16 @@ assert toy_rows[-1]["outcome"] == "ReplayError"
 # ## 3. A real decode step
 #
 # A tiny random Llama (2 layers, 4 heads, vocabulary 256; weights drawn with std 0.3 so that
-# attention is not uniform and positions matter) behind an `Engine` with bucketed decode and
-# persistent inputs: each decode plan's `input_ids`, `positions`, `write_slots`, `context_lens`
-# and `logits_at` are views on buffers written in place (Day 53), and its `slot_window` a window
-# on the slot table (Day 51). Three prompts of 5, 9 and 3 tokens; one step prefills all three.
+# attention is not uniform and positions matter) behind the engine as it stands today: each
+# decode plan comes from `plan_decode`, which builds `input_ids`, `positions`, `write_slots`,
+# `context_lens`, `logits_at` and the `slot_window` (gathered from the block tables) as new
+# tensors every step. Three prompts of 5, 9 and 3 tokens; one step prefills all three.
 #
 # `step_with` runs one engine step whose decode forward is a function of ours: the first records
 # a HostGraph over the runner's forward on that step's plan; the second replays it on the next
-# step, then runs eager on the same plan and returns eager's logits so the engine carries on.
+# step, first as is, then after copying the step's tensors into the ones the graph holds
+# (`graphs.copy_in`), and then runs eager on the same plan and returns eager's logits so the
+# engine carries on.
 
 # %%
 model = graphs.tiny_model()
@@ -194,44 +195,48 @@ print("step 1 plan: rows", len(plan1.rows), "| window", tuple(plan1.slot_window.
 print("  positions", plan1.positions.tolist(), "| context_lens", plan1.context_lens.tolist())
 print("  input_ids", plan1.input_ids.tolist(), "| write_slots", plan1.write_slots.tolist())
 print("bound tensors:", len(graph.bound), "| recorded output:", tuple(graph.output.shape))
-pos1 = plan1.positions.tolist()  # a list: the tensor is about to hold step 2's numbers
+pos1 = plan1.positions.tolist()
 
 
 def replay_then_eager(plan):
     n = len(plan.rows)
     seen["plan2"] = plan
-    seen["replay"] = graph.replay()[:n].clone()
+    seen["as is"] = graph.replay()[:n].clone()  # the graph still reads step 1's tensors
+    graphs.copy_in(graph.args[0], plan)  # step 2's numbers into the storage the graph holds
+    seen["copied"] = graph.replay()[:n].clone()
     seen["eager"] = runner._forward(plan)  # rewrites the step's K/V slots with the right values
     return seen["eager"]
 
 
 step_with(eng, replay_then_eager)
 plan2 = seen["plan2"]
-same_storage = all(
-    getattr(plan1, f).data_ptr() == getattr(plan2, f).data_ptr()
-    for f in ("input_ids", "positions", "write_slots", "context_lens", "slot_window")
+fresh_storage = all(
+    getattr(plan1, f).data_ptr() != getattr(plan2, f).data_ptr() for f in graphs.TENSOR_FIELDS
 )
 assert tuple(plan2.slot_window.shape) == tuple(plan1.slot_window.shape)  # the same graph applies
 print("step 2 plan: positions", plan2.positions.tolist(), "| input_ids", plan2.input_ids.tolist())
-print("step 2's tensors are step 1's storage, new numbers in it:", same_storage)
-print("step 1's plan object now reads: positions", plan1.positions.tolist(), "(it is the same storage)")
-print("and so does the graph's copy:  positions", graph.args[0].positions.tolist())
-equal = torch.equal(seen["replay"], seen["eager"][: len(plan2.rows)])
-print("replay == eager on step 2 (bit for bit):", equal)
-assert same_storage and equal
-assert plan2.positions.tolist()[:3] == [p + 1 for p in pos1[:3]]
+print("every tensor of step 2 is new storage:", fresh_storage)
+eager2 = seen["eager"][: len(plan2.rows)]
+print("replay as recorded == eager on step 2:", torch.equal(seen["as is"], eager2))
+print("after copy_in, the graph's plan reads: positions", graph.args[0].positions.tolist())
+print("replay after copy_in == eager on step 2 (bit for bit):", torch.equal(seen["copied"], eager2))
+assert fresh_storage and not torch.equal(seen["as is"], eager2) and torch.equal(seen["copied"], eager2)
+assert plan2.positions.tolist() == [p + 1 for p in pos1]
 
 # %% [markdown]
-# Now the same two steps with a plan builder that makes `positions` a fresh tensor every step
-# (`graphs.fresh_positions`: the rest of the plan is still written in place). The graph holds
-# step 1's `positions` tensor, which nobody writes any more: the replay rotates step 2's queries
-# and keys as if they sat one position earlier, and writes that K/V into step 2's slots.
-# Nothing raises; the logits are simply another step's.
+# Copying in is the whole trick, done by hand: the graph's tensors become the step's inputs
+# because the step's numbers are written into them. The days ahead build it into the engine:
+# Day 51 a slot table the window is read from in place, Day 52 a few padded shapes so a graph
+# fits many steps, Day 53 input buffers the plan is written into.
+#
+# Now the same two steps with `positions` left out of the copy (the rest is copied in). The
+# graph reads step 1's positions: the replay rotates step 2's queries and keys as if they sat
+# one position earlier, and writes that K/V into step 2's slots. Nothing raises; the logits are
+# simply another step's.
 
 # %%
 eng_f = graphs.tiny_engine(model)
-runner_f, plan_fn = eng_f.runner, eng_f.runner.plan
-runner_f.plan = lambda batch: graphs.fresh_positions(plan_fn(batch))
+runner_f = eng_f.runner
 for prompt, n in zip(graphs.PROMPTS, graphs.MAX_TOKENS):
     eng_f.add_request(prompt, graphs.SamplingParams(max_tokens=n, ignore_eos=True))
 eng_f.step()
@@ -240,13 +245,13 @@ fresh = {}
 
 def record_f(plan):
     fresh["graph"] = HostGraph.record(runner_f._forward, plan)
-    fresh["plan1"] = plan
     return fresh["graph"].output
 
 
 def replay_then_eager_f(plan):
     n = len(plan.rows)
     fresh["plan2"] = plan
+    graphs.copy_in(fresh["graph"].args[0], plan, skip=("positions",))
     fresh["replay"] = fresh["graph"].replay()[:n].clone()  # first: eager then rewrites the slots right
     fresh["eager"] = runner_f._forward(plan)
     return fresh["eager"]
@@ -254,11 +259,10 @@ def replay_then_eager_f(plan):
 
 step_with(eng_f, record_f)
 step_with(eng_f, replay_then_eager_f)
-g_f, p1, p2 = fresh["graph"], fresh["plan1"], fresh["plan2"]
-print("step 2 positions (the plan):      ", p2.positions.tolist())
-print("positions the graph reads (frozen):", g_f.args[0].positions.tolist())
-print("same storage as step 1:", p1.positions.data_ptr() == p2.positions.data_ptr())
-print("input_ids still shared storage:   ", p1.input_ids.data_ptr() == p2.input_ids.data_ptr())
+g_f, p2 = fresh["graph"], fresh["plan2"]
+print("step 2 positions (the plan):       ", p2.positions.tolist())
+print("positions the graph reads (step 1):", g_f.args[0].positions.tolist())
+print("input_ids the graph reads (copied):", g_f.args[0].input_ids.tolist(), "=", p2.input_ids.tolist())
 rep, eag = fresh["replay"], fresh["eager"][: len(p2.rows)]
 d = (rep - eag).abs().max().item()
 print("replay == eager:", torch.equal(rep, eag), "| max |Δ logit| > 0.1:", d > 0.1)
@@ -267,7 +271,7 @@ assert not torch.equal(rep, eag)
 
 # %% [markdown]
 # Why the weights have std 0.3: the same bug on the same model with weights of std 0.05. Each
-# run below drives the three prompts to the end with `positions` fresh every step
+# run below drives the three prompts to the end with `positions` left out of every copy
 # (`graphs.watch_decode`, the script's loop that section 5 uses too). With small weights the
 # attention scores are nearly equal for every key, so rotating a query and its keys by one
 # position more or less hardly changes the output: no replay is bit-equal to eager, yet the
@@ -277,7 +281,7 @@ assert not torch.equal(rep, eag)
 # %%
 for std in (0.05, graphs.WEIGHT_STD):  # tiny_llama draws graphs.tiny_model's weights at any std
     small = tiny_llama(0, std, graphs.TINY.max_position_embeddings)
-    log = graphs.watch_decode(graphs.tiny_engine(small), "fresh positions")
+    log = graphs.watch_decode(graphs.tiny_engine(small), "positions not copied")
     worst = max(d for d, rec in zip(log.max_dlogit, log.recorded) if not rec)
     equal = sum(bool(e) for e in log.equal if e is not None)
     print(
@@ -306,14 +310,16 @@ assert moved is not None
 # ## 4. Which fields are bound
 #
 # `HostGraph.record` copies a dataclass one level at a time: its tensor fields stay the caller's
-# tensors (bound), every other field is deep-copied (frozen). `rows` is a tuple of `Sequence`
-# objects, so the graph holds *copies* of the three sequences as they were at recording. The
-# forward never reads `rows`, so on this engine a replay over other rows still computes the
-# right numbers; Day 54's `check_replay_rows` is the gate for anything that does read it.
+# tensors (bound), every other field is deep-copied (frozen). The table plans the same decode
+# batch twice: `plan_decode` hands every tensor over as new storage each time, so none of them
+# is where a graph recorded on the first plan reads. `rows` is a tuple of `Sequence` objects, so
+# the graph holds *copies* of the three sequences as they were at recording. The forward never
+# reads `rows`, so a replay over other rows still computes the right numbers; a gate for
+# anything that does read it comes with the capture itself (Day 54).
 
 # %%
 fields = graphs.field_table(model)
-fcols = ["field", "kind", "shape", "bucketed_persistent", "plan_decode", "plan_decode_shape"]
+fcols = ["field", "kind", "shape", "plan_decode"]
 print(" | ".join(fcols))
 for r in fields:
     print(" | ".join(str(r[c]) for c in fcols))
@@ -328,11 +334,10 @@ assert all(r["plan_decode"] == "new tensor" for r in fields[:6])
 # ## 5. A whole run, three ways
 #
 # `graphs.decode_logs` drives the three prompts to the end (10, 14 and 6 new tokens) three
-# times: with the engine's own plans (inputs written in place), with `positions` fresh each
-# step, and with plain `plan_decode` (every tensor new each step, the slot window gathered from
-# the block tables). A graph is recorded on the first step of each (rows, width) shape and
-# replayed on every later step of that shape; the engine always continues on eager's logits,
-# so all three runs generate the same tokens.
+# times: copying every tensor into the graph's before each replay, copying all but `positions`,
+# and copying nothing (plain `plan_decode`). A graph is recorded on the first step of each
+# (rows, width) shape and replayed on every later step of that shape; the engine always
+# continues on eager's logits, so all three runs generate the same tokens.
 
 # %%
 logs = graphs.decode_logs(model)
@@ -344,14 +349,13 @@ rcols = ["scenario", "what_changed", "kind", "replay", "eager", "replay_equals_e
 print(" | ".join(rcols))
 for r in replay_rows:
     print(" | ".join(str(r[c]) for c in rcols))
-with open(REPO / "days" / "day50" / "day-50-replay.csv") as f:
-    on_disk = list(csv.DictReader(f))
+on_disk = read_csv(REPO / "days" / "day50" / "day-50-replay.csv")
 assert [{c: str(r[c]) for c in rcols} for r in replay_rows] == [{c: r[c] for c in rcols} for r in on_disk]
-in_place = logs["in place"]
-assert in_place.replays > 0 and all(e for e, rec in zip(in_place.equal, in_place.recorded) if not rec)
+copied = logs["copied in"]
+assert copied.replays > 0 and all(e for e, rec in zip(copied.equal, copied.recorded) if not rec)
 
 # %% [markdown]
-# The time a replay takes on CPU, next to eager on the same plan (one bucketed decode step,
+# The time a replay takes on CPU, next to eager on the same plan (the first decode step,
 # interleaved). These are the only measurements in the notebook.
 
 # %%
@@ -387,39 +391,30 @@ where = {"new tensor": "tab:red", "copied at recording": "tab:orange"}
 for i, r in enumerate(fields):
     y = len(fields) - 1 - i
     ax.text(0.0, y, r["field"], va="center", fontsize=10, family="monospace")
-    for j, (key, colour) in enumerate(
-        [("kind", kinds[r["kind"]]), ("bucketed_persistent", None), ("plan_decode", None)]
-    ):
-        val = r[key]
-        c = colour or where.get(val, "tab:green")
-        ax.add_patch(plt.Rectangle((0.24 + 0.26 * j, y - 0.4), 0.25, 0.8, color=c, alpha=0.35))
-        ax.text(0.245 + 0.26 * j, y, val.replace("PersistentInputs.", "Persistent."), va="center", fontsize=8)
-for j, head in enumerate(["HostGraph\nkeeps it", "bucketed +\npersistent", "plain\nplan_decode"]):
-    ax.text(0.365 + 0.26 * j, len(fields) - 0.45, head, fontsize=9, weight="bold", ha="center", va="bottom")
+    for j, (key, colour) in enumerate([("kind", kinds[r["kind"]]), ("plan_decode", where[r["plan_decode"]])]):
+        ax.add_patch(plt.Rectangle((0.26 + 0.37 * j, y - 0.4), 0.36, 0.8, color=colour, alpha=0.35))
+        ax.text(0.27 + 0.37 * j, y, r[key], va="center", fontsize=9)
+for j, head in enumerate(["HostGraph\nkeeps it", "plan_decode,\nthe next step"]):
+    ax.text(0.44 + 0.37 * j, len(fields) - 0.45, head, fontsize=9, weight="bold", ha="center", va="bottom")
 ax.set_xlim(0, 1.03)
 ax.set_ylim(-0.7, len(fields) + 0.6)
 ax.axis("off")
-ax.set_title(
-    "StepPlan fields: bound to live storage (green), frozen (orange), new each step (red)", fontsize=10
-)
+ax.set_title("StepPlan fields: bound (green), frozen (orange), a new tensor each step (red)", fontsize=10)
 
 ax = axes[1, 0]
-colours = {"in place": "tab:green", "fresh positions": "tab:orange", "plan_decode": "tab:red"}
-record_y = {"in place": 300, "fresh positions": 300, "plan_decode": 60}
+colours = {"copied in": "tab:green", "positions not copied": "tab:orange", "nothing copied": "tab:red"}
 for key, log in logs.items():
     steps = range(1, len(log.shapes) + 1)
     rep_x = [s for s, rec in zip(steps, log.recorded) if not rec]
     rep_y = [max(d, FLOOR) for d, rec in zip(log.max_dlogit, log.recorded) if not rec]
     ax.semilogy(rep_x, rep_y, "o-", color=colours[key], label=f"{key}: replay vs eager")
-rec_b = [s for s, rec in zip(range(1, 14), logs["in place"].recorded) if rec]
-rec_p = [s for s, rec in zip(range(1, 14), logs["plan_decode"].recorded) if rec]
-ax.semilogy(rec_b, [300] * len(rec_b), "x", color="k", ms=9, label="graph recorded (bucketed: new shape)")
-ax.semilogy(rec_p, [60] * len(rec_p), "+", color="tab:red", ms=11, label="graph recorded (plan_decode)")
-ax.text(7, 3e-9, "in place: every replay exactly equal (0 drawn at 1e-9)", color="tab:green", ha="center")
+rec = [s for s, r in zip(range(1, len(copied.shapes) + 1), copied.recorded) if r]
+ax.semilogy(rec, [300] * len(rec), "x", color="k", ms=9, label="graph recorded (a new shape)")
+ax.text(7, 3e-9, "copied in: every replay exactly equal (0 drawn at 1e-9)", color="tab:green", ha="center")
 ax.set_ylim(FLOOR / 3, 3e3)
 ax.set_xlabel("decode step")
 ax.set_ylabel("max |logit(replay) - logit(eager)| over real rows")
-ax.set_title("Tiny Llama: a replay is the new step only if inputs are written in place")
+ax.set_title("Tiny Llama: a replay is the new step only if its inputs are written in")
 ax.legend(fontsize=8, loc="center right")
 
 ax = axes[1, 1]
@@ -429,7 +424,7 @@ for i, p in enumerate(parts, start=1):
     ax.scatter([i] * len(p), [t * 1e3 for t in p], s=8, alpha=0.4)
 ax.set_yscale("log")
 ax.set_xlim(0.5, 2.85)
-ax.set_ylabel("ms per decode step, log (4 rows x width 16, tiny Llama)")
+ax.set_ylabel("ms per decode step, log (3 rows x width 12, tiny Llama)")
 for i, p in enumerate(parts, start=1):
     ax.text(i + 0.27, statistics.median(p) * 1e3, f"median {statistics.median(p) * 1e3:.2f} ms", va="center")
 ax.set_title("On CPU a HostGraph replay saves nothing (shared 2-core CPU, 30 interleaved runs)", fontsize=10)
@@ -490,22 +485,21 @@ display(Image(filename=png))
 #
 # ## Try it
 #
-# 1. **Break it on purpose.** In `days/day50/graphs.py`, make `fresh_positions` clone
-#    `input_ids` instead of `positions` (`dataclasses.replace(plan, input_ids=...)`) and re-run
-#    the notebook. Before you do, predict whether more or fewer greedy tokens go wrong than with
-#    stale positions. Check: section 5's assert against `day-50-replay.csv` fails, and
+# 1. **Break it on purpose.** In `days/day50/graphs.py`, make the `"positions not copied"` entry
+#    of `MODES` skip `input_ids` instead of `positions` and re-run the notebook. Before you do,
+#    predict whether more or fewer greedy tokens go wrong than with stale positions. Check:
+#    section 5's assert against `day-50-replay.csv` fails, and
 #    `graphs.replay_table(model)[6]["outcome"]` now reads
-#    `stale; greedy token differs on 16 row-steps` (9 with stale positions); under
-#    `pytest --nbval` section 3's printed positions change as well.
+#    `stale; greedy token differs on 14 row-steps` (4 with stale positions).
 # 2. **A gate for frozen values.** Write `check_frozen(graph, *args)` that raises when a
 #    non-tensor value the caller now holds differs (`!=`) from the one in `graph.args`, naming
 #    it; skip tensors, and for a dataclass argument compare its non-tensor fields one by one.
 #    Check: on the toy, `check_frozen(g, x, 3, [1, 1])` raises and `check_frozen(g, x, 2, [1, 1])`
-#    passes after `x.copy_(...)`; on the tiny Llama, `check_frozen(graph, plan2)` raises on
-#    `rows` and on nothing else (`is_decode` and `row_spans` are equal): a `Sequence` compares
-#    by identity (`eq=False`) and the graph holds copies. That is why Day 54 gives rows a gate of
-#    its own.
+#    passes after `x.copy_(...)`; on the tiny Llama, `check_frozen(graph, plan2)` names `rows`
+#    (a `Sequence` compares by identity, `eq=False`, and the graph holds copies) and `row_spans`
+#    (each row's context grew by one), not `is_decode`. The replay after `copy_in` was right
+#    all the same, because the forward reads neither: a gate, not the logits, has to catch it.
 # 3. **The test that would have missed it.** For the std-0.05 model above, write the two checks
 #    a test could make after each replay: the greedy tokens agree, and `torch.equal` on the
-#    logits. Check: the token test passes on all 9 replays and the logit test fails on all 9,
+#    logits. Check: the token test passes on all 7 replays and the logit test fails on all 7,
 #    the same counts the cell above printed.

@@ -31,7 +31,8 @@
 # 2. the package's table: assign, extend, read; the window is a view and sees later writes,
 # 3. release of a middle row: the last row moves into its place so the live rows stay a prefix,
 # 4. padding with the sink slot, `address`, and `to` (a reallocation the gates catch),
-# 5. the gates of `nanoserve.plan` on a real bucketed decode plan, and one failing on a copy,
+# 5. the gates of `nanoserve.plan` on a real decode plan read from the table, and one failing on
+#    a copy,
 # 6. a run with requests joining and leaving, every decode plan gated,
 # 7. the benchmark (`days/day51/window.py`): gathering the window against reading it.
 
@@ -60,7 +61,6 @@ from nanoserve.plan import (
     slot_window,
 )
 from nanoserve.slots import SlotTable
-from nanoserve.warmup import check_table_stable
 
 sys.path.insert(0, str(REPO / "days" / "day51"))
 import window  # the day's script: the notebook prints the table it writes
@@ -187,8 +187,9 @@ assert padded[2:].eq(99).all() and warm[:2].ne(99).all()
 # copies into new storage, even to the same device, so every window read before it points at
 # the old storage, and later writes no longer reach it. A `HostGraph` (Day 50) recorded over
 # the old window does not notice: the tensor it holds never moved, so its own address check
-# passes and it replays the old numbers. `check_table_stable` (from `nanoserve.warmup`, Day 55)
-# compares the table's address with the one recorded; it fails here.
+# passes and it replays the old numbers. What does notice is the table's own address, compared
+# with the one recorded: the cell does that check by hand (Day 55 makes it a gate,
+# `check_table_stable`).
 
 # %%
 recorded = table.address
@@ -201,23 +202,20 @@ print("old window still at the recorded address:", old_window.data_ptr() == reco
 print("old window row 0:", old_window[0].tolist(), "| the table's row 0 now:", table.table[0, :4].tolist())
 replayed = graph.replay()  # no ReplayError: nothing the graph holds has moved
 print("the graph replays row 0 as", replayed[0].tolist(), "without raising")
-try:
-    check_table_stable(table, recorded)
-    stable_error = None
-except GateError as e:
-    stable_error = str(e)
-print("check_table_stable ->", stable_error)
-assert stable_error and old_window[0, 3].item() == 99 and table.table[0, 3].item() == 8
+moved_table = table.address != recorded
+print("the table's address now differs from the recorded one:", moved_table)
+assert moved_table and old_window[0, 3].item() == 99 and table.table[0, 3].item() == 8
 assert old_window.data_ptr() == recorded and replayed[0, 3].item() == 99
 
 # %% [markdown]
 # ## 5. The gates on a real decode plan
 #
-# A tiny random Llama behind an engine with bucketed decode and persistent inputs (4 rows,
-# blocks of 4 tokens, a 64-token context, widths in multiples of 16). Three prompts are
-# prefilled; the next decode plan comes from `runner.plan`, which syncs the slot table with the
-# batch and calls `plan_decode_bucketed`. Three gates of `nanoserve.plan` (Day 54 runs them
-# before a capture):
+# A tiny random Llama behind the engine as it stands today (4 rows, blocks of 4 tokens, a
+# 64-token context), with a slot table kept beside it by `window.with_table`: each decode batch
+# is synced into the table (`window.sync_rows`: release, assign, extend), planned by
+# `plan_decode` in row order, and handed the window `table.read(...)` instead of the gathered
+# one. (From Day 52 the engine's runner keeps the table itself.) Three prompts are prefilled;
+# then three gates of `nanoserve.plan` on the next decode plan:
 #
 # * `check_mapping_is_window`: the plan's slot window is a view on the table from row 0, with
 #   the table's strides, and its rows are the table's live rows in order;
@@ -227,10 +225,11 @@ assert old_window.data_ptr() == recorded and replayed[0, 3].item() == 99
 
 # %%
 eng = window.tiny_engine()
+st = window.with_table(eng)
 for prompt in ([1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16]):
     eng.add_request(prompt, window.SamplingParams(max_tokens=8, ignore_eos=True))
 eng.step()  # prefill
-runner, st = eng.runner, eng.runner.slot_table
+runner = eng.runner
 plan = runner.plan(eng.scheduler.schedule())
 print("rows", len(plan.rows), "| window", tuple(plan.slot_window.shape), "| sink", st.sink_slot)
 print(f"sink = num_blocks x block_size = {eng.pool.num_blocks} x {eng.config.block_size}")
@@ -247,7 +246,7 @@ print("check_mapping_is_window, check_window_intact, check_plan_addressing: pass
 # %% [markdown]
 # The same rows, addressed by `plan_decode`: the numbers agree on every position a row attends
 # to (its window is block-granular, 12 wide here, and pads short rows with block 0's slots where
-# the table has the sink), but it is a fresh gather. And the bucketed plan with its window
+# the table has the sink), but it is a fresh gather. And the table's plan with its window
 # `.clone()`d: right numbers, wrong storage. `check_mapping_is_window` refuses both; the two
 # gates that look only at numbers pass on them.
 
@@ -263,7 +262,7 @@ by_blocks = slot_window([s.block_table.blocks for s in plan.rows], eng.config.bl
 print("plan_decode's window is slot_window(block tables):", torch.equal(gathered.slot_window, by_blocks))
 cloned = dataclasses.replace(plan, slot_window=plan.slot_window.clone())
 failures = {}
-for name, bad in [("plan_decode (gathered)", gathered), ("bucketed, window .clone()d", cloned)]:
+for name, bad in [("plan_decode (gathered)", gathered), ("table's window .clone()d", cloned)]:
     check_window_intact(bad)
     check_plan_addressing(bad)
     try:
@@ -278,14 +277,14 @@ assert gathered.slot_window[1, 4:].tolist() == [0, 1, 2, 3] * 2  # block 0's slo
 # ## 6. A run where rows come and go
 #
 # `window.gated_run` drives eight requests through the engine, one joining every other step,
-# runs the three gates on every bucketed decode plan, and logs every row a release moves. The
-# same requests through an engine without bucketing (plain `plan_decode`) give the tokens to
-# compare with.
+# with every decode window read from a slot table (`with_table`); it runs the three gates on
+# every decode plan and logs every row a release moves. The same requests through an engine
+# without the table (plain `plan_decode`) give the tokens to compare with.
 
 # %%
 reqs = window.requests()
 run = window.gated_run(window.tiny_engine(), reqs)
-plain = window.gated_run(window.tiny_engine(bucketed=False), reqs)
+plain = window.gated_run(window.tiny_engine(), reqs, table=False)
 print("requests:", [(len(p), n) for p, n in reqs], "(prompt tokens, new tokens)")
 print("decode plans gated:", run["checked"], "| all three gates passed on each")
 print("live rows per decode step:", run["live"])
@@ -299,7 +298,7 @@ assert run["checked"] == len(run["live"]) > 0 and run["moves"] and run["tokens"]
 #
 # `window.window_cost(rows, width)`: `rows` sequences of `width` tokens over scattered blocks of
 # 16. Gather is `slot_window` from the block lists (what `plan_decode` does each step); read is
-# `SlotTable.read` (what `plan_decode_bucketed` does). Both windows are checked equal first. The
+# `SlotTable.read` (what `with_table` hands a plan). Both windows are checked equal first. The
 # table is not free: every step writes each row's newest slot (`extend`), timed as `extend_us`.
 # This cell runs eight of the CSV's twelve sizes at 15 timed calls each (the script takes 30);
 # its timings change from run to run on a shared 2-core CPU, and the sizes and copies are the
@@ -339,7 +338,7 @@ rows_b, width_b = plan.slot_window.shape
 ax.add_patch(plt.Rectangle((-0.5, -0.5), width_b, rows_b, fill=False, ec="tab:red", lw=2.5))
 ax.add_patch(plt.Rectangle((-0.5, -0.5), width_b, live, fill=False, ec="tab:blue", lw=1.5, ls="--"))
 names = [
-    f"row {r} ({plan.rows[r].request_id})" if r < live else f"row {r} (pad)" for r in range(tab.shape[0])
+    f"row {r} ({plan.rows[r].request_id})" if r < live else f"row {r} (free)" for r in range(tab.shape[0])
 ]
 ax.set_yticks(range(tab.shape[0]), names)
 ax.set_xlabel("position (first 32 of max_model_len 64); s = sink slot")
@@ -447,12 +446,12 @@ display(Image(filename=png))
 #    both at 64 rows the way `window.median_us` does and compare with the CSV's `extend_us`.
 #    (Keep `table.lengths` in step yourself, or `extend` will write over your column next time.)
 # 2. **Break the row order on purpose.** Build
-#    `dataclasses.replace(plan, slot_window=st.table[[1, 0, 2, 3], :16])` from section 5's plan.
+#    `dataclasses.replace(plan, slot_window=st.table[[1, 0, 2], :12])` from section 5's plan.
 #    `check_window_intact(bad)` must now raise `GateError` (row 0's window holds req-1's slots).
-#    Then try `st.table[[0, 1, 2, 3], :16]`, the right rows by index: the numbers are right, so
+#    Then try `st.table[[0, 1, 2], :12]`, the right rows by index: the numbers are right, so
 #    only `check_mapping_is_window` refuses it.
 # 3. **Break `release`.** In `nanoserve/slots.py`, delete the `if row != last:` block of
 #    `release`, so a sequence leaving from the middle leaves a hole, and run
-#    `.venv/bin/python -m pytest tests/test_slots.py -q`: `test_release_keeps_rows_a_prefix` and
-#    the hypothesis test `test_rows_mirror_the_sequences_after_any_history` must fail. Restore the
+#    `.venv/bin/python -m pytest tests/test_slots.py -q`. Check: `test_release_keeps_rows_a_prefix`
+#    and the hypothesis test `test_rows_mirror_the_sequences_after_any_history` fail. Restore the
 #    file and both pass again.

@@ -45,9 +45,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, engine_config
 from nanoserve.buckets import bucket_shape, bucket_up, check_pad_inert, row_buckets, width_buckets
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import load_model
@@ -119,14 +118,14 @@ assert len(row_buckets(256)) * len(width_buckets(8192, 128)) == 576
 #
 # ## 2. A real decode batch, padded
 #
-# `EngineConfig(bucket_decode=True)` gives the engine a slot table (Day 51) and the bucket sets;
+# `engine_config(52, bucket_decode=True)` gives the engine a slot table (Day 51) and the bucket sets;
 # its runner then plans decode with `plan_decode_bucketed`. Three chat requests are prefilled in
 # one step, and the next batch the scheduler hands out is a decode batch of 3 rows.
 
 # %%
 per_token = model.cfg.kv_bytes_per_token(torch.float32)
-config = EngineConfig(
-    schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
+config = engine_config(
+    52,  # the engine as of day 52: prefill-first, gather attention, plain linears
     max_batch=8, max_model_len=256, kv_budget=per_token * 16 * 32, width_multiple=32, bucket_decode=True
 )
 eng = Engine(model, tok, config)
@@ -543,8 +542,8 @@ display(Image(filename=png))
 #    `padwaste.waste(padwaste.decode_batches("busy"), "busy", "x16", 128)`. Check: 20 row
 #    buckets, so `shapes == 1280`, and a busy `row_waste` between x8's 2.6% and pow2's 25.1%.
 # 2. **A width multiple for short contexts.** From `padwaste.measure()` (or the CSV), find the
-#    largest width multiple whose light-regime width waste stays under 5%. You should get 32
-#    (3.6%); 64 is already 7.2%. Then work out why 16 costs nothing over eager here (section 2's
+#    largest width multiple whose light-regime width waste stays under 5%. Check: you get 32
+#    (3.6%), and 64 is already 7.2%. Then work out why 16 costs nothing over eager here (section 2's
 #    eager window is whole 16-slot blocks).
 # 3. **Break the sink on purpose.** In `nanoserve/plan.py`, `plan_decode_bucketed` pads
 #    `write_slots` with `slot_table.sink_slot` when there are no persistent buffers (this

@@ -22,7 +22,7 @@
 # `write_slots` and `context_lens` (and `logits_at`) as new tensors every step, at new addresses.
 # A recorded graph (Day 54) reads its inputs through the addresses it was recorded with, so today
 # those tensors become views on buffers allocated once and written in place
-# (`nanoserve.inputs.PersistentInputs`, switched on by `EngineConfig(persist_inputs=True)`).
+# (`nanoserve.inputs.PersistentInputs`, switched on by `engine_config(53, persist_inputs=True)`).
 #
 # 1. the buffers by hand: `write` fills a prefix in place and hands out views,
 # 2. a real run on SmolLM2-135M, three ways (eager, bucketed, persistent): what each step's plan
@@ -45,9 +45,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 from matplotlib.colors import ListedColormap
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, engine_config
 from nanoserve.capture import check_addresses_stable
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.inputs import PersistentInputs
@@ -118,8 +117,8 @@ params = [SamplingParams(max_tokens=n) for n in (2, 4, 6)]
 per_token = model.cfg.kv_bytes_per_token(torch.float32)
 engines, logs, completions = {}, {}, {}
 for mode, switches in addresses.MODES.items():
-    config = EngineConfig(
-        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        53,  # the engine as of day 53: prefill-first, gather attention, plain linears
         max_batch=8, max_model_len=256, kv_budget=per_token * 16 * 32, width_multiple=32, **switches
     )
     engines[mode] = Engine(model, tok, config)

@@ -52,10 +52,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, engine_config
 from nanoserve.buckets import check_pad_inert
 from nanoserve.capture import check_addresses_stable, check_replay_rows
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.inputs import PersistentInputs
@@ -90,8 +89,8 @@ print(f"SmolLM2-135M-Instruct, fp32, loaded in {time.perf_counter() - t0:.1f} s"
 
 
 def smol_engine(**switches) -> Engine:
-    cfg = EngineConfig(
-        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
+    cfg = engine_config(
+        55,  # the engine as of day 55: prefill-first, gather attention, plain linears
         max_batch=4, max_model_len=128, kv_budget="32MiB", width_multiple=32, **switches,
     )
     return Engine(model, tok, cfg)
@@ -354,8 +353,8 @@ tiny = warmbench.tiny_model()
 def tiny_engine() -> Engine:
     """2 rows, 48 tokens, width multiple 16, capture on: the tiny model's engine."""
     per_block = tiny.cfg.kv_bytes_per_token(torch.float32) * 16
-    cfg = EngineConfig(
-        schedule="prefill-first", attention="gather", linear="plain",  # the engine as built through day 56
+    cfg = engine_config(
+        55,  # the engine as of day 55: prefill-first, gather attention, plain linears
         max_batch=2,
         max_model_len=48,
         kv_budget=per_block * 8,

@@ -27,7 +27,7 @@
 # for each sequence that is decoding, then whatever is left of the budget goes to prompt chunks,
 # unfinished ones before new admissions. A new prompt still costs the streams something, since
 # their step now carries the chunk too, but the cost is a slower step instead of a missing one.
-# The earlier policy stays as `EngineConfig(schedule="prefill-first")` (and
+# The earlier policy stays as `engine_config(57, schedule="prefill-first")` (and
 # `nanoserve serve --schedule prefill-first`) so the day can measure one against the other.
 #
 # 1. the stall, as a timeline of who got a token in which step, under each policy,
@@ -40,7 +40,6 @@
 # 8. the diagram.
 
 # %%
-import csv
 import sys
 
 import matplotlib
@@ -50,10 +49,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, tiny_llama
+from nanocourse import REPO, diagram_path, engine_config, read_csv, same_or_near_tie, tiny_llama
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
-from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.plan import plan_decode
@@ -72,14 +69,14 @@ PER_BLOCK = tiny.cfg.kv_bytes_per_token(torch.float32) * BLOCK
 
 
 def tiny_engine(schedule: str, budget: int = 16, max_batch: int = 8) -> Engine:
-    cfg = EngineConfig(
+    cfg = engine_config(  # the engine as of day 57: gather attention, plain linears, the ops step
+        57,
         schedule=schedule,
         max_batch=max_batch,
         max_model_len=128,
         block_size=BLOCK,
         kv_budget=PER_BLOCK * 256,
         max_num_batched_tokens=budget,
-        linear="plain",  # the linears as they were on day 57 (day 59 packs them)
     )
     return Engine(tiny, None, cfg)
 
@@ -260,29 +257,10 @@ assert alone.argmax(-1).tolist() == mixed[:2].argmax(-1).tolist()
 # longer prompts are chunked, 14 greedy tokens each, under both policies; the reference is
 # `greedy_tokens`, one sequence on a contiguous cache. Different batch shapes round
 # differently, so, as in `tests/test_engine.py`, a difference would be excused only where the
-# reference's top two logits at the first differing position are within 1e-4.
+# reference's top two logits at the first differing position are within 1e-4
+# (`nanocourse.same_or_near_tie`).
 
 # %%
-TIE = 1e-4
-
-
-def top2_gap(tokens: list[int]) -> float:
-    cache, pos = NoCache(), torch.arange(len(tokens))
-    cache.begin(pos)
-    logits = tiny(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
-    top = logits.topk(2).values
-    return (top[0] - top[1]).item()
-
-
-def same_or_near_tie(prompt_ids, ref, got) -> str:
-    if got == ref:
-        return "equal"
-    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    gap = top2_gap(prompt_ids + ref[:k])
-    assert gap < TIE, f"tokens differ at {k} with a top-2 gap of {gap:.2e}"
-    return f"near-tie at {k} (gap {gap:.1e})"
-
-
 ARRIVALS = [(57, 0), (18, 0), (33, 2), (44, 5), (25, 9)]  # (prompt tokens, arrival step)
 EQUAL = [(f"q{i}", prompt(60 + i, n), 14, t) for i, (n, t) in enumerate(ARRIVALS)]
 with torch.inference_mode():
@@ -291,7 +269,7 @@ verdicts = {}
 for policy in ("budget", "prefill-first"):
     eng = tiny_engine(policy)
     run = mixedbench.run_workload(eng, EQUAL)
-    verdicts[policy] = [same_or_near_tie(ids, eager[rid], run.tokens[rid]) for rid, ids, _, _ in EQUAL]
+    verdicts[policy] = [same_or_near_tie(tiny, ids, eager[rid], run.tokens[rid]) for rid, ids, _, _ in EQUAL]
     print(f"{policy:<14} step_kinds {eng.step_kinds}  {verdicts[policy]}")
 print("q0 eager:", eager["q0"])
 assert all(v == "equal" for vs in verdicts.values() for v in vs)
@@ -310,8 +288,7 @@ assert all(v == "equal" for vs in verdicts.values() for v in vs)
 # notebook reads what it wrote.
 
 # %%
-with open(mixedbench.HERE / "day-57-mixed.csv") as f:
-    bench = {r["policy"]: r for r in csv.DictReader(f)}
+bench = {r["policy"]: r for r in read_csv(mixedbench.HERE / "day-57-mixed.csv")}
 facts = ["steps", "prefill_steps", "decode_steps", "mixed_steps", "stalls", "max_step_tokens"]
 facts.append("same_as_eager")
 print(f"{'':<16}" + "".join(f"{c:>16}" for c in facts))
@@ -331,23 +308,19 @@ print("prefill-first / budget:", {k: f"{v:.2f}x" for k, v in ratio.items()})
 # The step counts are facts of the schedule and come out the same on every run. The budget
 # policy ran 33 steps (1 prefill, 25 decode, 7 mixed) and no stream missed one; prefill-first
 # ran 39 (8 prefill, 31 decode) and the streams lost 24 stream-steps, 6 for each of the 4
-# streams. Both policies gave all 6 requests the eager reference's
-# greedy tokens.
+# streams: under prefill-first a stream sat through each newcomer's three prompt steps back to
+# back, under the budget policy through one mixed step at a time. Both policies gave all 6
+# requests the eager reference's greedy tokens.
 #
-# The timings come from one run on a machine other jobs were using heavily at the time (a load
-# average near 6 on its 2 cores), so they carry that noise. The clear one is the longest gap:
-# 12809.2 ms under prefill-first against 5280.1 ms under the budget policy, 2.43x, because
-# under prefill-first a stream sat through a newcomer's prompt steps back to back and under the
-# budget policy through one mixed step at a time. p99 equals max since the four streams get
-# their tokens in the same steps, so the top gaps are four copies of one number. The median
-# went the other way in this run, 891.8 ms for prefill-first against 1663.2 ms for budget; seven
-# mixed steps among 31 gaps should not move a median that far, so I read most of it as the load
-# changing between the two runs, and I cannot say how much. The newcomers' mean time to first
-# token was 8776.2 ms (budget) against 9889.1 ms (prefill-first), and tokens/s 2.60 against
-# 2.58: equal within what this run can resolve. Where the budget policy should lose is the
-# newcomer's first token, as the tiny run above shows by one step; here both policies need three
-# steps of prompt work per newcomer, so the loss is at most the extra cost of the decode rows
-# in those steps.
+# The timings come from a run on a quiet machine (2 threads; the CSV's `cpu` column). The
+# stalls turn into gaps: a stream's longest wait between two tokens was 218.4 ms under the
+# budget policy against 555.7 ms under prefill-first, 2.54x, while the typical gap (p50) is the
+# same, 41.6 against 41.7 ms. The two policies differ only in the steps where a prompt arrives.
+# The newcomers pay a little for it: their first token came after 544.6 ms against 499.5 ms,
+# since a mixed step gives their prompt what the budget leaves after the decode rows, where
+# prefill-first gives it whole steps. Over the run the budget policy made 61.85 tokens a second
+# against 56.74. p99 equals max since the four streams get their tokens in the same steps, so
+# the top gaps are four copies of one number.
 
 # %% [markdown]
 # ## 6. Where a mixed step's time goes
@@ -357,8 +330,7 @@ print("prefill-first / budget:", {k: f"{v:.2f}x" for k, v in ratio.items()})
 # (budget 128). The six ops with the most self CPU time in each:
 
 # %%
-with open(mixedbench.HERE / "day-57-profile.csv") as f:
-    prof = list(csv.DictReader(f))
+prof = read_csv(mixedbench.HERE / "day-57-profile.csv")
 for step in dict.fromkeys(r["step"] for r in prof):
     rows = [r for r in prof if r["step"] == step]
     print(f"{step}: {rows[0]['step_ms']} ms of self CPU time")
@@ -367,16 +339,12 @@ for step in dict.fromkeys(r["step"] for r in prof):
         print(f"   {r['rank']}. {r['op']:<44} {r['self_ms']:>8} ms {share}  {r['calls']:>5} calls")
 
 # %% [markdown]
-# Read this table as a picture of the shared machine as much as of the step. The mixed step
-# took 11543.8 ms of self CPU time against 2596.9 ms for the decode step, 4.4x for 128 tokens
-# against 16. But `aten::mul` went from 13.4 ms to 2552.3 ms over the same 214 calls, far more
-# than 8x the elements: an elementwise op of 16 rows is small enough to run on one thread, one of
-# 128 rows is split across two, and with other jobs on both cores the op waits for whichever of
-# its threads is descheduled. The pure decode step's time is mostly `aten::bmm` (56.1%), the
-# matrix products, and the K/V writes (`index_put`, 25.6%), which also look inflated by the
-# same waits. What the table does show is where a mixed step's extra work lands: in the ops
-# that scale with tokens (the matmuls and the norm, rotary and MLP elementwise ops), not in
-# attention, whose ops are not in either top six.
+# The mixed step took 204.5 ms of self CPU time against 60.5 ms for the decode step, for 128
+# tokens against 16: 3.4 times the time for 8 times the tokens, since the decode step reads
+# every weight for only 16 rows. Both are mostly `aten::bmm`, the matrix products (77.8% of the
+# decode step, 79.4% of the mixed one). After them comes attention as day 18 built it: SDPA
+# (4.5% and 6.4%) over padded copies that `aten::index_select` makes of each row's keys and
+# values (3.3% of the decode step), then the copies and multiplies that grow with the tokens.
 
 # %% [markdown]
 # ## 7. A scheduler built wrong
@@ -465,7 +433,8 @@ ax.legend(fontsize=8)
 ax = axes[1][1]
 for j, step in enumerate(dict.fromkeys(r["step"] for r in prof)):
     rows = [r for r in prof if r["step"] == step]
-    ax.barh([f"{r['op']}" + " " * j for r in rows], [float(r["share_pct"]) for r in rows],
+    names = [r["op"].replace("_scaled_dot_product_flash_attention_for_cpu", "sdpa (cpu)") for r in rows]
+    ax.barh([name + " " * j for name in names], [float(r["share_pct"]) for r in rows],
             color=("tab:blue", "tab:orange")[j], label=f"{step}, {rows[0]['step_ms']} ms")  # fmt: skip
 ax.invert_yaxis()
 ax.set_xlabel("% of the step's self CPU time")
@@ -514,8 +483,7 @@ display(Image(str(out)))
 # 2. Make `step_choice` give prompts already running no priority over waiting ones (concatenate
 #    the lists the other way round). The comparison in section 2 should fail at the first step
 #    where both kinds are waiting, and name that step.
-# 3. Break the scheduler for real: in `ForgetsDecodeRows`, drop the `limit` instead and give a
-#    budget of 2 with three streams. `check_within_budget` should catch a step of 3 decode rows.
-# 4. Run `python days/day57/mixedbench.py --budget 64` and then `--budget 256`: the smaller
-#    budget should lower the streams' gap max under the budget policy and raise the newcomers'
-#    TTFT; check both against the CSV.
+# 3. Break the scheduler by one token: in `ForgetsDecodeRows`, hand the prompt pass
+#    `budget - len(batch.decode) + 1`. Predict the largest step on section 1's workload before
+#    running section 7 again; the check: `check_within_budget(wrong_run.step_tokens, 16)` must
+#    catch a step of 17 tokens, and the tokens still equal the real run's.

@@ -28,7 +28,7 @@
 # is that kernel: for each row and each K/V head it walks the row's window only up to the row's
 # context length, reads every key and value once from where it lies in the pool, and serves
 # all query heads of that K/V head's group from the same load. `nanoserve.kernels.native()`
-# compiles it on first use; `EngineConfig(attention=...)` and `nanoserve serve --attention` choose
+# compiles it on first use; `engine_config(58, attention=...)` and `nanoserve serve --attention` choose
 # between `"native"`, `"gather"` (the earlier way, kept runnable under that name) and `"auto"`.
 #
 # 1. what the gather path copies, against what the kernel reads, for SmolLM2's shape,
@@ -42,7 +42,6 @@
 # 8. the diagram.
 
 # %%
-import csv
 import sys
 import time
 
@@ -54,11 +53,9 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.kernels as kernels
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, engine_config, read_csv, same_or_near_tie, show
 from nanoserve.bench import cpu_line
 from nanoserve.cache import BatchedPagedKVCache
-from nanoserve.config import EngineConfig
-from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import load_model
@@ -85,17 +82,6 @@ print(
 assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
     inplace.LAYERS, inplace.HEADS, inplace.KV_HEADS, inplace.HEAD_DIM,
 )  # fmt: skip
-
-
-def read_csv(name):
-    with open(inplace.HERE / name) as f:
-        return list(csv.DictReader(f))
-
-
-def show(rows, columns):
-    print(" | ".join(columns))
-    for row in rows:
-        print(" | ".join(str(row[c]) for c in columns))
 
 
 # %% [markdown]
@@ -128,7 +114,7 @@ assert inplace.read_bytes(small) == 2 * 124 * 3 * 64 * 4  # 2 x sum(L) x kv_head
 # %%
 print("ragged_lens(64):", inplace.ragged_lens(64))
 table = inplace.bytes_table()
-assert [{k: str(v) for k, v in r.items()} for r in table] == read_csv("day-58-bytes.csv")
+assert as_text(table) == read_csv(inplace.HERE / "day-58-bytes.csv")
 show(table, ["rows", "widest", "width", "sum_len", "copied_mb_step", "kernel_mb_step", "ratio"])
 
 # %% [markdown]
@@ -186,8 +172,8 @@ for r, n in enumerate(lens):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# (the differences are rounding: their last digits depend on the kernel build, day 59's AVX2 loop
-# or the portable one, and on which vector width SDPA picks on this CPU; the asserts hold anywhere)
+# (the differences are rounding: their last digits depend on how the compiler vectorised the kernel
+# for this CPU and on which vector width SDPA picks here; the asserts hold anywhere)
 with torch.inference_mode():
     ref = decode_reference(q, k_pool, v_pool, window, ctx)
     kernel = kernels.native().decode_attention(q, k_pool, v_pool, window, ctx, cfg.head_dim**-0.5)
@@ -225,7 +211,7 @@ print("row 0 (context 0): all zeros from the kernel and from the gather path")
 # %%
 t = inplace.layer_times(512, reps=5)
 print(f"C = 512, one layer: gather {t['gather'] * 1e3:.2f} ms, native {t['native'] * 1e3:.2f} ms")
-layer = read_csv("day-58-attention.csv")
+layer = read_csv(inplace.HERE / "day-58-attention.csv")
 show(layer, ["widest", "width", "gather_ms", "native_ms", "speedup"])
 
 # %% [markdown]
@@ -285,9 +271,10 @@ for kind in ("gather", "native"):
 # by self time of one step of each at C = 1024:
 
 # %%
-steps = read_csv("day-58-step.csv")
+steps = read_csv(inplace.HERE / "day-58-step.csv")
 show(steps, ["widest", "sum_len", "gather_ms", "native_ms", "speedup"])
-show(read_csv("day-58-profile.csv"), ["attention", "rank", "op", "calls", "self_ms", "aten_ops"])
+profile = read_csv(inplace.HERE / "day-58-profile.csv")
+show(profile, ["attention", "rank", "op", "calls", "self_ms", "aten_ops"])
 
 # %% [markdown]
 # Over a whole step the gain is small and, at this noise level, not cleanly measured: 0.97x at
@@ -310,26 +297,6 @@ show(read_csv("day-58-profile.csv"), ["attention", "rank", "op", "calls", "self_
 # within 1e-4 of each other.
 
 # %%
-TIE = 1e-4
-
-
-def top2_gap(tokens):
-    cache, pos = NoCache(), torch.arange(len(tokens))
-    cache.begin(pos)
-    logits = model(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
-    top = logits.topk(2).values
-    return (top[0] - top[1]).item()
-
-
-def same_or_near_tie(prompt, ref, got):
-    if got == ref:
-        return "equal"
-    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    gap = top2_gap(prompt + ref[:k])
-    assert gap < TIE, f"tokens differ at {k} with a top-2 gap of {gap:.2e}"
-    return f"near-tie at {k}"
-
-
 QUESTIONS = ("What is 2 + 2?", "Name a colour.", "What is a cache?")
 prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in QUESTIONS]
 N = 10
@@ -338,12 +305,12 @@ with torch.inference_mode():
 params = SamplingParams(max_tokens=N, ignore_eos=True)
 results = {}
 for kind in ("native", "gather"):
-    config = EngineConfig(max_batch=4, max_model_len=128, kv_budget="16MiB", attention=kind, linear="plain")
+    config = engine_config(58, max_batch=4, max_model_len=128, kv_budget="16MiB", attention=kind)
     e = Engine(model, tok, config)
     assert e.cache.attention == kind
     results[kind] = [o.token_ids for o in e.generate(prompts, params, use_tqdm=False)]
 for i, p in enumerate(prompts):
-    verdicts = [same_or_near_tie(p, eager[i], results[kind][i]) for kind in ("native", "gather")]
+    verdicts = [same_or_near_tie(model, p, eager[i], results[kind][i]) for kind in ("native", "gather")]
     print(f"{QUESTIONS[i]!r:<20} native: {verdicts[0]}, gather: {verdicts[1]}   {tok.decode(eager[i])!r}")
 
 # %% [markdown]
@@ -385,7 +352,8 @@ for label, got in wrong.items():
 # %%
 print(cpu_line())
 print("native_status():", kernels.native_status())
-print("EngineConfig().attention:", EngineConfig().attention, "->", BatchedPagedKVCache(cfg, 64).attention)
+print("engine_config(58).attention:", engine_config(58).attention, "->",
+      BatchedPagedKVCache(cfg, 64).attention)  # fmt: skip
 saved = kernels._ext, kernels._status
 try:
     kernels._ext, kernels._status = None, "unavailable (no compiler, faked by this cell)"
@@ -398,9 +366,9 @@ finally:
     kernels._ext, kernels._status = saved
 assert BatchedPagedKVCache(cfg, 64, attention="auto").attention == "native"
 try:
-    EngineConfig(attention="fast").validate()
+    engine_config(58, attention="fast").validate()
 except ValueError as e:
-    print("EngineConfig(attention='fast'):", e)
+    print("engine_config(58, attention='fast'):", e)
 
 # %% [markdown]
 # ## 8. The diagram
@@ -510,12 +478,10 @@ display(Image(filename=str(out)))
 #    `std::min<int64_t>(cp[b], width)` to `cp[b] + 1`, then run
 #    `pytest tests/test_kernels.py` (the build takes about a minute) and this notebook's
 #    section 2. `check_close` must fail with a difference far above 1e-5. Undo the change.
-# 2. Give every row the same length (`[C] * 16` instead of `ragged_lens(C)`) in `layer_times`
-#    and rerun the script at C = 512: the bytes table says the copy is then no larger than the
-#    read, so whatever speedup remains is the cost of the copy and the second pass alone.
-# 3. Turn on Day 52's buckets (`bucket_decode=True`, `width_multiple=128`) in
-#    `prefilled_engine`: the gather path now copies up to the bucket's width, the kernel still
-#    stops at each row's length. Predict the new `copied_bytes` for C = 64 before measuring.
-# 4. Run with `NANOSERVE_NATIVE=0` set: `native_status()` must say `off`, an engine with
+# 2. Give every row the same length, `[512] * 16` instead of `ragged_lens(512)`. Predict
+#    first, then check: `inplace.copied_bytes([512] * 16) == inplace.read_bytes([512] * 16)`,
+#    since a full window carries no padding. Whatever speedup `layer_times` then still shows
+#    is the cost of the copy and the second pass alone.
+# 3. Run with `NANOSERVE_NATIVE=0` set: `native_status()` must say `off`, an engine with
 #    `attention="auto"` must report `cache.attention == "gather"`, and section 5's tokens must
 #    not change.

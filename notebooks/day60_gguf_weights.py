@@ -42,7 +42,6 @@
 # 8. the diagram.
 
 # %%
-import csv
 import struct
 import sys
 import time
@@ -58,9 +57,8 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.gguf_file as gguf_file
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, engine_config, read_csv
 from nanoserve.bench import cpu_line, decode_rate, engine_tokens_of, read_bandwidth_gbs
-from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes, rms_norm
@@ -86,11 +84,6 @@ reader = gguf_file._open_gguf(GGUF)
 print(f"{GGUF.name}: {GGUF.stat().st_size:,} bytes, {len(reader.tensors)} tensors, opened in "
       f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
 tensors = {t.name: t for t in reader.tensors}
-
-
-def read_csv(name):
-    with open(ggufbench.HERE / name) as f:
-        return list(csv.DictReader(f))
 
 
 # %% [markdown]
@@ -293,14 +286,15 @@ print(f"{len(prompt)} tokens: max |logits q4_1 - logits fp32| = {gap:.1e} "
 assert gap < 1e-3
 
 # %% [markdown]
-# Greedy tokens on three prompts, batched: the fp32 model through the engine's torch ops,
-# the q4_1 model through the fused step, which `decode_step="auto"` picks for quantized weights.
+# Greedy tokens on three prompts, batched, through the engine as it stands today: the fp32
+# model and the q4_1 model each through the engine's torch ops, the q4_1 model's linears
+# calling `QuantTensor.linear`.
 
 # %%
 HELD = ["What is the capital of France?", "Write a haiku about a cache.", "List three prime numbers."]
 prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in HELD]
-fp32_eng = Engine(ref, tok, EngineConfig(max_batch=4, decode_step="ops", linear="plain"))
-q_eng = Engine(qm, tok, EngineConfig(max_batch=4))
+fp32_eng = Engine(ref, tok, engine_config(60, max_batch=4, linear="plain"))  # fp32 as loaded, unpacked
+q_eng = Engine(qm, tok, engine_config(60, max_batch=4))
 params = SamplingParams(max_tokens=16, ignore_eos=True)
 outs_f = fp32_eng.generate(prompts, params, use_tqdm=False)
 outs_q = q_eng.generate(prompts, params, use_tqdm=False)
@@ -320,7 +314,7 @@ for p, a, b in zip(HELD, outs_f, outs_q):
 # %%
 qm8 = load_gguf_model(GGUF, cfg, "q4_1", "int8")
 live = ggufbench.france_tokens({"fp32": ref, "q4_1/fp32": qm, "q4_1/int8": qm8}, tok, 12)
-france = {r["variant"]: r for r in read_csv("day-60-france.csv")}
+france = {r["variant"]: r for r in read_csv(ggufbench.HERE / "day-60-france.csv")}
 for name in ("fp32", "q4_1/fp32"):
     assert france[name]["tokens"] == " ".join(map(str, live[name])), name  # the CSV is what runs here
 # int8's first token is a close call (below) that the CPU decides, and so are later ones: the
@@ -386,10 +380,12 @@ assert spread < 2.0
 # read bandwidth B, no step is faster than bytes / B. `ggufbench.py` ran five variants of the
 # engine in turns, three turns each keeping its best, then llama.cpp's `llama-server` and
 # `llama-bench` on the same file (2 cores, nothing else running; machines of this kind are
-# noisy, so the ratios within one run are the figures to read). Its table:
+# noisy, so the ratios within one run are the figures to read). The `fused` rows are a step
+# day 61 builds, the whole decode step as one native call; the script runs it ahead of its day,
+# so that the table holds both steps. Its table:
 
 # %%
-dec = read_csv("day-60-decode.csv")
+dec = read_csv(ggufbench.HERE / "day-60-decode.csv")
 cols = ["variant", "step", "weight_mb", "tok_s", "roofline_tok_s", "vs_q4_1_fused", "vs_fp32"]
 cols += ["vs_llama_server"]
 print(" | ".join(cols))
@@ -400,18 +396,19 @@ rate = {(r["variant"], r["step"]): float(r["tok_s"]) for r in dec}
 assert rate[("q4_1/fp32", "fused")] > rate[("fp32", "fused")]
 
 # %% [markdown]
-# A tiny live run of the two fused steps, 8 tokens each after a warm-up, only to show the call
-# the script makes (`decode_rate`, prefill taken out) and the bandwidth probe:
+# A tiny live run of today's step, torch ops, for both weight sets, 8 tokens each after a
+# warm-up, only to show the call the script makes (`decode_rate`, prefill taken out) and the
+# bandwidth probe:
 
 # %%
 print(cpu_line())
 one = tok.encode_chat([{"role": "user", "content": "Say hi."}])
 live_rates = {}
 for name, model in (("fp32", ref), ("q4_1/fp32", qm)):
-    eng = ggufbench.engine(model, tok, "fused")
+    eng = ggufbench.engine(model, tok, "ops")
     live_rates[name], _ = decode_rate(lambda n, e=eng: engine_tokens_of(e, one, n), 8)
     mb = model_weight_bytes(model) / 1e6
-    print(f"{name:<10} fused step: {live_rates[name]:.1f} tok/s over {mb:.1f} MB of weights a token "
+    print(f"{name:<10} ops step: {live_rates[name]:.1f} tok/s over {mb:.1f} MB of weights a token "
           f"= {live_rates[name] * mb / 1e3:.1f} GB/s")  # fmt: skip
 print(f"read bandwidth now: {read_bandwidth_gbs(256, 3):.1f} GB/s")
 
@@ -565,9 +562,3 @@ display(Image(filename=str(path)))
 #    llama-server at hand, `python days/day60/ggufbench.py --llama-server BIN` writes your
 #    machine's version of that row; the index it parts at may differ, since a near tie decides
 #    it.
-# 4. **The roofline on your machine.** Run `python days/day60/ggufbench.py --reps 2` on a quiet
-#    machine and divide each row's `tok_s` by its `roofline_tok_s`. Predict first from this
-#    notebook's table: the q4_1 fused step reaches a smaller share of its roofline than the fp32
-#    fused step does of its own (68.9 / 223.8 against 30.3 / 40.2 here), because widening
-#    blocks costs instructions that reading fp32 does not. Check that your ratios point the same
-#    way.

@@ -26,7 +26,7 @@
 # it cost before: now the overhead is as large as the work.
 #
 # The engine's answer is `Llama.fused_decode`: the whole decode step written out in C++
-# (csrc/quant.cpp) and called once. `EngineConfig(decode_step="fused")` turns it on;
+# (csrc/quant.cpp) and called once. `engine_config(61, decode_step="fused")` turns it on;
 # `"auto"` picks it for quantized weights. Prefill and mixed steps stay on the torch ops.
 #
 # 1. the ops of one engine decode step, counted, and their price against the weights' read,
@@ -50,9 +50,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, engine_config, top2_gap
 from nanoserve.bench import cpu_line
-from nanoserve.contiguous import NoCache
 from nanoserve.models import describe_weights, load_model, model_weight_bytes, quantize_model
 from nanoserve.sampling import SamplingParams
 from nanoserve.tokenizer import Tokenizer
@@ -254,36 +253,22 @@ PROMPTS = [[{"role": "user", "content": q}] for q in fusedbench.QUESTIONS[:3]]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
-def top2_gap(model, tokens):
-    pos = torch.arange(len(tokens))
-    cache = NoCache()
-    cache.begin(pos)
-    with torch.inference_mode():
-        top = (
-            model(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
-            .topk(2)
-            .values
-        )
-    return (top[0] - top[1]).item()
-
-
 def tokens_both_ways(model):
-    from nanoserve.config import EngineConfig
     from nanoserve.engine import Engine
 
     outs = {}
     for step in ("ops", "fused"):
-        eng = Engine(
-            model,
-            tok,
-            EngineConfig(max_batch=4, decode_step=step, linear="plain", max_model_len=256, kv_budget=2**26),
+        config = engine_config(
+            61, max_batch=4, decode_step=step, linear="plain", max_model_len=256, kv_budget=2**26
         )
+        eng = Engine(model, tok, config)
         outs[step] = [o.token_ids for o in eng.generate(PROMPTS, PARAMS, use_tqdm=False)]
     ties = 0
     for prompt, ref, got in zip(PROMPTS, outs["ops"], outs["fused"]):
         if ref != got:
             k = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
-            gap = top2_gap(model, tok.encode_chat(prompt) + ref[:k])
+            with torch.inference_mode():
+                gap = top2_gap(model, tok.encode_chat(prompt) + ref[:k])
             assert gap < 1e-4, f"tokens differ at {k} with a top-2 gap of {gap:.2e}"
             ties += 1
     return outs, ties
@@ -400,14 +385,12 @@ display(Image(filename=png))
 #
 # ## Try it
 #
-# 1. Run `python days/day61/fusedbench.py --rows 1 --rows 64 --weights q4_1 --no-compile --out
-#    /tmp/f.csv` and check that `ops_step` of the ops path barely moves with the rows while
-#    `step_ms` does: at which row count does the fused step's speedup fall under 1.2?
+# 1. Read the script's table (`CSV`) for q4_1 and predict before looking: does the ops step
+#    dispatch more ops at 16 rows than at 4? Check that `ops_step` of the two ops rows is equal
+#    while `step_ms` more than doubles, and find the first row count at which `speedup` falls
+#    under 1.2.
 # 2. Break the rotary instead of the K/V write: set `model.cos = torch.roll(model.cos, 1, 0)`
 #    (and `sin`), reset `model._fused = None`, and run `same_step(model)`: the assert of section 5
 #    must fail with a difference above `TOL`.
 # 3. Count the ops of one *prefill* step of a fused engine with `fusedbench.OpCount` and check that
 #    it equals the ops engine's (prefill stays on torch ops).
-# 4. Price your own machine: take `us_per_removed_op` from your CSV and the q4_1 `weights_ms`, and
-#    predict the batch-1 ops step as `weights_ms + ops_step x us_per_removed_op`; compare with
-#    `step_ms`.

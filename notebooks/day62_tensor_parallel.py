@@ -217,12 +217,12 @@ print(f"tolerance: {TOL:.0e}")
 assert diff < TOL
 
 # %% [markdown]
-# The difference is a few units in the last place (ulp) of the largest entry, 24.60: five on the
-# AVX-512 CPU this ran on, and the exact count follows the order in which a CPU's kernels add. The
-# same products, only added up in another order (each rank sums over its own heads or columns,
-# then the three partial results are added). fp32 rounding, nothing more; `TOL` is about five
-# times the difference measured here. The engine's `tp.shard` holds exactly these slices, tensor
-# for tensor:
+# The difference is a few units in the last place (ulp) of the largest entry, 24.60: two on the
+# AVX-512 CPU this last ran on, and the exact count follows the order in which a CPU's kernels
+# add. The same products, only added up in another order (each rank sums over its own heads or
+# columns, then the three partial results are added). fp32 rounding, nothing more; `TOL` is a
+# few times the largest difference measured on the CPUs this has run on. The engine's `tp.shard`
+# holds exactly these slices, tensor for tensor:
 
 # %%
 slots = int(CSV[0]["kv_tokens"])  # the pool of section 5, for each rank's share of it
@@ -310,7 +310,7 @@ RANK_SCRIPT = '''
 import json
 import sys
 
-from nanoserve.config import EngineConfig
+from nanocourse import engine_config
 from nanoserve.engine import build_engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.tp import launched, run_worker
@@ -320,8 +320,8 @@ PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 3, 250, 31, 64, 12], [1, 2, 3, 4, 5, 6, 7
 
 def config(model_dir):
     # 3 layers x 2 K/V heads x 8 x fp32 x (K, V) = 384 bytes a token; 32 blocks of 4 tokens
-    return EngineConfig(
-        model=model_dir, threads=1, max_batch=4, block_size=4, kv_budget=384 * 4 * 32, max_model_len=64
+    return engine_config(  # the engine as of day 62
+        62, model=model_dir, threads=1, max_batch=4, block_size=4, kv_budget=384 * 4 * 32, max_model_len=64
     )
 
 

@@ -40,7 +40,6 @@
 # 8. the diagram.
 
 # %%
-import csv
 import struct
 import sys
 import time
@@ -56,7 +55,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve import kquants
 from nanoserve.fetch import fetch_named_gguf
 from nanoserve.quant import QuantTensor
@@ -72,10 +71,6 @@ print(f"{GGUF.name}: {GGUF.stat().st_size:,} bytes, {len(reader.tensors)} tensor
       f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
 tensors = {t.name: t for t in reader.tensors}
 
-
-def read_csv(name):
-    with open(kquantbench.HERE / name) as f:
-        return list(csv.DictReader(f))
 
 
 def block(t, row=0, index=0):
@@ -196,7 +191,7 @@ ends = int(tensors["token_embd.weight"].n_bytes) + int(tensors["output.weight"].
 print(f"  token_embd + output: {ends / stored:.1%} of the bytes")
 print(f"at the asked types: {asked:,.0f} bytes = {8 * asked / elements:.4f} bits a weight "
       f"({(stored - asked) / 1e6:.1f} MB more stored)")  # fmt: skip
-qwen = {r["matrix"]: r for r in read_csv("day-63-qwen.csv")}
+qwen = {r["matrix"]: r for r in read_csv(kquantbench.HERE / "day-63-qwen.csv")}
 assert float(qwen["all"]["bits_per_weight"]) == round(8 * stored / elements, 4)
 
 # %% [markdown]
@@ -478,7 +473,7 @@ except AssertionError as err:
 # (the timing columns, one tensor's decoding, are the script's run and are not recomputed):
 
 # %%
-types = read_csv("day-63-types.csv")
+types = read_csv(kquantbench.HERE / "day-63-types.csv")
 live = kquantbench.type_rows(reader, 64, 2, reps=1)
 cols = ["type", "values_per_block", "bytes_per_block", "bits_per_weight", "qwen_tensors", "qwen_mb"]
 cols += ["qwen_share", "checked_on", "by_hand_values", "by_hand_max_diff", "rounded", "torch_values"]
@@ -491,7 +486,7 @@ for r in types:
 
 # %%
 rows = kquantbench.qwen_rows(reader)
-for a, b in zip(read_csv("day-63-qwen.csv"), rows):
+for a, b in zip(read_csv(kquantbench.HERE / "day-63-qwen.csv"), rows):
     assert a == {k: str(v) for k, v in b.items()}, (a, b)
 print(" | ".join(rows[0]))
 for r in rows:
@@ -650,9 +645,3 @@ display(Image(filename=str(path)))
 #    section 1's check: it must now miss 32 tensors, the `ffn_down` and `attn_v` of the 16
 #    layers in one set of section 1's printout and not the other. The file would be no smaller:
 #    12 of each 24 get the larger type either way.
-# 4. **Where rounding starts.** Take block 0 of section 3 and scale `d` up by powers of 2
-#    (rewrite bytes 0-1 with `struct.pack("<e", d * 2**k)`). Predict from section 5 that no k
-#    can make `kquantbench.by_hand_q4_k(raw, r=float)` and `kquantbench.by_hand_q4_k(raw)`
-#    differ while every value stays below 1. Find the smallest k for which they differ (7), check
-#    that each differing value is at least 1 in size, and that gguf's decoding of the changed
-#    block equals the float32 one.

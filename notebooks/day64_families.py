@@ -41,7 +41,6 @@
 
 # %%
 import contextlib
-import csv
 import io
 import json
 import re
@@ -62,10 +61,9 @@ import matplotlib.pyplot as plt
 from gguf.quants import dequantize
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, engine_config, read_csv
 from nanoserve import gguf_file, kquants
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache, causal_attention
 from nanoserve.engine import Engine
 from nanoserve.fetch import fetch_default_gguf, fetch_default_model, fetch_named_gguf, fetch_named_model
@@ -86,11 +84,6 @@ print(cpu_line())
 SMOL_DIR, QWEN_DIR = fetch_default_model(), fetch_named_model(familybench.QWEN)
 SMOL_GGUF, QWEN_GGUF = fetch_default_gguf(), fetch_named_gguf(familybench.QWEN)
 WORK = Path(tempfile.mkdtemp(prefix="day64-"))
-
-
-def read_csv(name):
-    with open(familybench.HERE / name) as f:
-        return list(csv.DictReader(f))
 
 
 # %% [markdown]
@@ -221,7 +214,7 @@ for fam, m in ours.items():
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     rows = [familybench.family_row(fam, WORK / "rows") for fam in familybench.FAMILIES]
-CSV_FAMILIES = read_csv("day-64-families.csv")
+CSV_FAMILIES = read_csv(familybench.HERE / "day-64-families.csv")
 shown = ["family", "extra_per_block", "extra_params_per_block", "params", "logits_max_abs", "matches_hf"]
 shown += ["inert", "logits_moved"]
 print(" | ".join(shown))
@@ -315,7 +308,7 @@ flags = f"qkv_bias {qcfg.qkv_bias}, o_bias {qcfg.o_bias}, qk_norm {qcfg.qk_norm}
 print(f"config.json attention_bias {raw_bias} -> {flags}")
 assert raw_bias and qcfg.qkv_bias and not qcfg.o_bias
 MODELS = familybench.model_rows()  # from the two converted directories' safetensors headers
-assert [{k: str(v) for k, v in r.items()} for r in MODELS] == read_csv("day-64-models.csv")
+assert as_text(MODELS) == read_csv(familybench.HERE / "day-64-models.csv")
 for r in MODELS:
     print(
         f"{r['model']:<28} {r['model_type']:<6} {r['params']:>12,} parameters, vocabulary {r['vocab']:,}, "
@@ -426,7 +419,7 @@ for label, text in familybench.TEXTS.items():
         pieces = [t.token_text(i) for i in t.encode(text)]
         print(f"{label:<9} {name:<8} {len(pieces):>2} {pieces}")
 token_rows = familybench.token_rows(smol_tok, tok)
-CSV_TOKENS = read_csv("day-64-tokens.csv")
+CSV_TOKENS = read_csv(familybench.HERE / "day-64-tokens.csv")
 assert [{k: str(v) for k, v in r.items()} for r in token_rows] == CSV_TOKENS
 nfc, nfd = familybench.TEXTS["cafe NFC"], familybench.TEXTS["cafe NFD"]
 assert tok.encode(nfc) == tok.encode(nfd) and smol_tok.encode(nfc) != smol_tok.encode(nfd)
@@ -463,14 +456,14 @@ print(f"{len(prompt)} tokens")
 
 # %% [markdown]
 # The engine runs it as it runs SmolLM2: a paged KV pool (a small one here, a KV budget of 512
-# tokens' worth), the scheduler, and the default variants of the day (linears packed for oneDNN
-# where the CPU allows; the decode step as torch ops, since `decode_step="auto"` picks day 61's
-# fused native step only for quantized weights).
+# tokens' worth), the scheduler, and the variants of the day, `engine_config(64, ...)` (linears
+# packed for oneDNN where the CPU allows; the decode step as torch ops, since `decode_step="auto"`
+# picks day 61's fused native step only for quantized weights).
 # A greedy answer of 24 tokens:
 
 # %%
 bytes_a_token = qcfg.num_layers * 2 * qcfg.num_kv_heads * qcfg.head_dim * 4  # K and V, fp32
-config = EngineConfig(max_batch=1, max_model_len=256, kv_budget=bytes_a_token * 512)
+config = engine_config(64, max_batch=1, max_model_len=256, kv_budget=bytes_a_token * 512)
 engine = Engine(qwen, tok, config)
 engine.model_name = QWEN_DIR.name
 t0 = time.perf_counter()

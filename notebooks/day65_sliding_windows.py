@@ -42,7 +42,6 @@
 # them into one native call (day 61) only for quantized weights, and these are fp32.
 
 # %%
-import csv
 import dataclasses
 import sys
 import tempfile
@@ -57,7 +56,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, as_text, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.blocks import WindowBlocks
 from nanoserve.config import EngineConfig
@@ -81,13 +80,6 @@ WORK = Path(tempfile.mkdtemp(prefix="day65-"))
 T0 = time.perf_counter()
 
 
-def read_csv(name):
-    with open(windowbench.HERE / name) as f:
-        return list(csv.DictReader(f))
-
-
-def as_text(rows):
-    return [{k: str(v) for k, v in r.items()} for r in rows]
 
 
 # %% [markdown]
@@ -242,7 +234,7 @@ def blocks_by_hand(start, end, window=512, bs=16):
     return max(0, start - window + 1) // bs, (end - 1) // bs
 
 
-BLOCKS = read_csv("day-65-blocks.csv")
+BLOCKS = read_csv(windowbench.HERE / "day-65-blocks.csv")
 got = windowbench.block_rows()  # the same steps run through WindowBlocks.prepare, as the engine does
 assert as_text(got) == BLOCKS
 print(f"{'step':<19} {'reads from':>10} {'blocks held':>12} {'count':>5} {'given back':>10}")
@@ -363,7 +355,7 @@ assert HITS[True] == HITS[False] == {"B": 32, "C": 36}
 # its queries read or write, and the last column counts the steps it failed.
 
 # %%
-TOKENS = read_csv("day-65-tokens.csv")
+TOKENS = read_csv(windowbench.HERE / "day-65-tokens.csv")
 FIRST_FAILURE = {}
 rows = windowbench.token_rows(tiny, messages=FIRST_FAILURE)
 print(f"{'variant':<31} {'window_blocks':<14} {'cache window':<13} {'rows equal':<11} {'parted at':<10} "
@@ -446,7 +438,7 @@ assert toy.cfg.kv_bytes_per_token(torch.float32) == real.kv_bytes_per_token(torc
 t0 = time.perf_counter()
 mem, engines, sliding_held = windowbench.memory_rows(toy)
 print(f"{len(mem)} contexts, both ways, in {time.perf_counter() - t0:.0f} s")
-MEMORY = read_csv("day-65-memory.csv")
+MEMORY = read_csv(windowbench.HERE / "day-65-memory.csv")
 assert as_text(mem) == MEMORY
 print(f"{'context':>7} {'without: blocks':>15} {'MB':>7} {'with: full':>10} {'sliding':>7} {'MB':>6} "
       f"{'ratio':>5}")  # fmt: skip

@@ -72,7 +72,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
 import nanoserve.engine as engine_module
-from nanocourse import REPO, diagram_path
+from nanocourse import REPO, diagram_path, read_csv
 from nanoserve.bench import cpu_line
 from nanoserve.sampling import SamplingParams
 from nanoserve.speculative import (
@@ -464,15 +464,8 @@ for (rows, k), ms in step.items():
 print(f"3 draft tokens cost more than none, here: {all(step[(r, 3)] > step[(r, 0)] for r in (1, 4))}")
 
 # %%
-def read_csv(name):
-    import csv
-
-    with open(specbench.HERE / name) as f:
-        return list(csv.DictReader(f))
-
-
-COSTS = read_csv("day-68-costs.csv")
-SPEC = read_csv("day-68-spec.csv")
+COSTS = read_csv(specbench.HERE / "day-68-costs.csv")
+SPEC = read_csv(specbench.HERE / "day-68-spec.csv")
 ratio = {(int(c["rows"]), int(c["draft_tokens"])): float(c["ratio_to_no_draft"]) for c in COSTS}
 print("the script's costs (day-68-costs.csv): a step's time over the same step without drafts")
 for (rows, k), r in ratio.items():

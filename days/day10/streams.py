@@ -2,7 +2,7 @@
 
 Each case is a chat prompt, a list of stop strings and a token budget. The tokens come from the
 eager greedy loop (`nanoserve.generate.decode_loop`); the text goes through the package's two
-streaming pieces in the engine's order: an end-of-sequence id ends the request before it is
+streaming pieces in the order a server needs: an end-of-sequence id ends the request before it is
 decoded, every other id goes through `IncrementalDetokenizer.add` and then `StopStrings.feed`,
 and a request that ends for another reason flushes both. One record per generated token keeps
 what was released, what the stop checker was holding, and how many bytes of an unfinished

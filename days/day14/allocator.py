@@ -2,17 +2,17 @@
 
 Two tables:
 
-* `day-14-ops.csv`: a `BlockAllocator` of 10 blocks of 4 tokens driven through a fixed story
-  (sequences arrive, share a cached prefix, grow, are refused, finish), with the state after
-  every operation: the table's blocks, the tokens found in the prefix cache, the free and used
-  counts, every block's reference count, and the free list in the order it hands blocks out.
+* `day-14-ops.csv`: a `BlockAllocator` of 10 blocks of 4 tokens, its prefix cache off (prefix
+  sharing is Day 19's), driven through a fixed story (sequences arrive, grow, are refused,
+  finish), with the state after every operation: the table's blocks, the free and used counts,
+  every block's reference count, and the free list in the order it hands blocks out.
   Deterministic.
 * `day-14-freelist.csv`: why the free list is an insertion-ordered dict and not a Python list.
   The allocator does three things to its free list: takes the block at the front (a fresh
-  allocation), appends a freed block at the end, and takes a block out of the middle (a cached
-  prefix claimed back while it sits free). A list does the third by searching for the block;
-  an ordered dict finds it by hashing. Timed for both at several pool sizes, best of
-  `--repeats`; the block counts are facts, the microseconds this machine's.
+  allocation), appends a freed block at the end, and takes a block out of the middle (from Day
+  19 on, a cached prefix claimed back while it sits free). A list does the third by searching
+  for the block; an ordered dict finds it by hashing. Timed for both at several pool sizes, best
+  of `--repeats`; the block counts are facts, the microseconds this machine's (with its `cpu`).
 
     python days/day14/allocator.py                     # -> day-14-ops.csv, day-14-freelist.csv
     python days/day14/allocator.py --sizes 1000 100000 1000000 --out-freelist /tmp/f.csv
@@ -36,14 +36,13 @@ NUM_BLOCKS, BLOCK = 10, 4
 SIZES = (1_000, 10_000, 100_000)
 REPEATS = 5
 
-# the story's prompts: c and e start with a's first two blocks (8 tokens), b and d do not
-A = list(range(100, 110))  # 10 tokens: 2 full blocks and 2 tokens
+# the story's prompts: only their lengths matter to the allocator today (no prefix cache)
 PROMPTS = {
-    "a": A,
+    "a": list(range(100, 110)),  # 10 tokens: 2 full blocks and 2 tokens
     "b": list(range(200, 206)),
-    "c": A[:8] + [300, 301, 302],
+    "c": list(range(300, 311)),
     "d": list(range(400, 420)),
-    "e": A[:8] + [500, 501],
+    "e": list(range(500, 510)),
 }
 
 
@@ -66,34 +65,31 @@ def story() -> list[tuple[str, str, str]]:
     return [
         ("a arrives, 10 tokens", "allocate_prompt", "a"),
         ("b arrives, 6 tokens", "allocate_prompt", "b"),
-        ("c arrives, a's first 8 tokens + 3", "allocate_prompt", "c"),
+        ("c arrives, 11 tokens", "allocate_prompt", "c"),
         ("b grows to 9 tokens", "append_slots 9", "b"),
         ("a finishes", "free", "a"),
         ("d arrives, 20 tokens", "allocate_prompt", "d"),
         ("c finishes", "free", "c"),
         ("d arrives again", "allocate_prompt", "d"),
         ("b finishes", "free", "b"),
-        ("e arrives, a's first 8 tokens + 2", "allocate_prompt", "e"),
+        ("e arrives, 10 tokens", "allocate_prompt", "e"),
         ("d finishes", "free", "d"),
         ("e finishes", "free", "e"),
     ]
 
 
 def hand_ops(alloc: BlockAllocator | None = None, check=None) -> list[dict]:
-    """Run `story()` on alloc (a fresh 10 x 4 allocator by default) and record the state after
-    every step. A prompt's full blocks are registered in the prefix cache once it arrives, as
-    if its prefill had run. `check(alloc, live)`, live the tables that hold blocks by name, runs
-    after every step when given."""
-    alloc = alloc or BlockAllocator(NUM_BLOCKS, BLOCK)
+    """Run `story()` on alloc (a fresh 10 x 4 allocator, prefix cache off, by default) and
+    record the state after every step. `check(alloc, live)`, live the tables that hold blocks by
+    name, runs after every step when given."""
+    alloc = alloc or BlockAllocator(NUM_BLOCKS, BLOCK, enable_prefix_caching=False)
     tables: dict[str, BlockTable] = {}
     rows = []
     for i, (what, op, name) in enumerate(story(), 1):
         table = tables.setdefault(name, BlockTable(alloc.block_size))
-        cached = ""
         try:
             if op == "allocate_prompt":
-                cached = alloc.allocate_prompt(table, PROMPTS[name])
-                alloc.cache_full_blocks(table, PROMPTS[name])
+                alloc.allocate_prompt(table, PROMPTS[name])
             elif op.startswith("append_slots"):
                 alloc.append_slots(table, int(op.split()[1]))
             elif op == "free":
@@ -103,7 +99,7 @@ def hand_ops(alloc: BlockAllocator | None = None, check=None) -> list[dict]:
             result = f"refused: {e}"
         if check is not None:
             check(alloc, {n: t for n, t in tables.items() if t.blocks})
-        rows.append({"step": i, "what": what, "op": op, "blocks": result, "cached": cached} | state(alloc))
+        rows.append({"step": i, "what": what, "op": op, "blocks": result} | state(alloc))
     return rows
 
 
@@ -153,7 +149,7 @@ def freelist_times(sizes=SIZES, repeats: int = REPEATS, ops: int = 200) -> list[
             row = {"blocks": n, "free_list": kind}
             for name, (build, run) in _operations(kind, n, ops).items():
                 row[f"{name}_us"] = _per_op_us(build, run, repeats, ops)
-            rows.append(row)
+            rows.append(row | {"cpu": cpu_line()})
     return rows
 
 

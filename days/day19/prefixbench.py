@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import write_csv
+from nanocourse import engine_config, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
 from nanoserve.sampling import SamplingParams
@@ -60,7 +59,8 @@ CONVERSATIONS = {
 
 def chat_engine(model, tok, prefix_caching: bool = True) -> Engine:
     """A small engine for one conversation at a time: 1,024 positions of context, 64 MiB of K/V."""
-    config = EngineConfig(
+    config = engine_config(
+        19,
         max_model_len=1024,
         kv_budget="64MiB",
         max_batch=4,
@@ -130,6 +130,7 @@ def chat_rows(on: list[list[dict]], off: list[list[dict]], block_size: int = BLO
                 "hit_rate": round(a["cached"] / n, 3),
                 "first_step_ms_on": round(1e3 * min(t["first_s"] for t in turns[: len(on)]), 1),
                 "first_step_ms_off": round(1e3 * min(t["first_s"] for t in turns[len(on) :]), 1),
+                "cpu": cpu_line(),
             }
         )
     return rows

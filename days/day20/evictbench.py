@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.blocks import BlockAllocator
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 
@@ -96,7 +95,8 @@ def make_allocator(variant: str, num_blocks: int, block_size: int = BLOCK_SIZE) 
 def engine(model, num_blocks: int, variant: str = "lrf", block_size: int = BLOCK_SIZE, **kw) -> Engine:
     """An engine over `num_blocks` blocks whose allocator is `variant`'s."""
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * block_size
-    config = EngineConfig(
+    config = engine_config(
+        20,
         block_size=block_size,
         max_model_len=MAX_MODEL_LEN,
         kv_budget=num_blocks * per_block + per_block // block_size,  # the blocks and the sink slot

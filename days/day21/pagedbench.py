@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.contiguous import ContiguousKVCache
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
@@ -67,7 +66,8 @@ def paged_engine(model, max_batch: int, max_len: int, reqs, block_size: int = BL
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * block_size
     need = sum(-(-(len(p) + n) // block_size) for p, n in reqs)
     blocks = int(1.1 * max(need, -(-max_len // block_size))) + max_batch + 1
-    config = EngineConfig(
+    config = engine_config(
+        21,
         max_batch=max_batch,
         max_model_len=max_len,
         block_size=block_size,
@@ -165,7 +165,7 @@ def trace_rows(series: dict) -> list[dict]:
 def table(model, reqs, max_len: int, repeats: int = 1) -> tuple[list[dict], dict]:
     """The day's table: memory over the batched run, and the speed of the three ways."""
     n = len(reqs)
-    paged_engine(model, n, max_len, reqs)  # packs the linears in place: every way below runs the same kernels
+    paged_engine(model, n, max_len, reqs)  # day 21's engine keeps the linears plain, as every way below
     best = {}
     trace: list = []
     for r in range(repeats):  # the variants take turns; each keeps its fastest run
@@ -238,7 +238,7 @@ def main(argv=None) -> None:
     rows, series = table(model, reqs, size["max_len"], args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, args.out)}")
+    print(f"wrote {write_csv([r | {'cpu': cpu_line()} for r in rows], args.out)}")
     print(f"wrote {write_csv(trace_rows(series), args.out_trace)}")
 
 

@@ -8,9 +8,10 @@ The requests are `nanoserve.bench.throughput_workload`'s, cut into consecutive b
   longest output. Measured from the run itself: the attention mask's zeros (padded prompt
   positions), the generated length of every row (`generate`'s output minus the input width) and
   the positions each forward pass computed (a hook on the decoder).
-* the engine with `schedule="static"`: a batch is admitted only into an empty engine and nobody
-  joins until its last member has finished; prompts go in ragged (no padding) and a finished row
-  leaves, so its seat idles instead of computing. Measured from the scheduler's choice each step.
+* the engine as of day 22 (`engine_config(22)`, schedule "static"): a batch is admitted only
+  into an empty engine and nobody joins until its last member has finished; prompts go in
+  ragged (no padding) and a finished row leaves, so its seat idles instead of computing.
+  Measured from the scheduler's choice each step.
 
 Per batch: the padded prompt tokens, the row-steps spent after a row had its tokens (wasted by
 transformers, idle in the engine), the useful tokens, and the token positions each way computed.
@@ -32,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_config, write_csv
+from nanocourse import engine_config, same_or_near_tie, tiny_config, write_csv
 from nanoserve.bench import cpu_line, run_transformers_workload, throughput_workload
-from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
@@ -46,7 +46,6 @@ CSV = HERE / "day-22-static.csv"
 FULL = {"requests": 64, "prompt": (16, 256), "new": (16, 128), "batch": 16}  # the bench's defaults
 SMALL = {"requests": 12, "prompt": (4, 24), "new": (2, 16), "batch": 4}  # the notebook's
 PAD_ID = 0
-TIE = 1e-4
 
 
 def tiny_pair(seed: int = 0, std: float = 0.05):
@@ -132,16 +131,14 @@ def static_engine(model, reqs, batch: int, block_size: int = 16) -> Engine:
     longest = max(len(p) + n for p, n in reqs)
     max_len = model.cfg.max_position_embeddings
     blocks = max(batch * (-(-longest // block_size) + 1), -(-max_len // block_size)) + 1
-    config = EngineConfig(
-        schedule="static",
+    config = engine_config(
+        22,  # the engine as of today: schedule "static", attention "gather", linear "plain"
         max_batch=batch,
         max_model_len=max_len,
         block_size=block_size,
         kv_budget=blocks * per_block + per_block // block_size,
         max_num_batched_tokens=batch * max(len(p) for p, _ in reqs),
-        watermark=None,  # the pool is large enough; admission by rows alone
-        enable_prefix_caching=False,
-        linear="plain",  # the model stays usable as the eager reference
+        enable_prefix_caching=False,  # every prompt computed in full: the counts are the arithmetic's
     )
     return Engine(model, None, config)
 
@@ -190,22 +187,6 @@ def logits_of(model, tokens: list[int]) -> torch.Tensor:
     cache, pos = NoCache(), torch.arange(len(tokens))
     cache.begin(pos)
     return model(torch.tensor(tokens), pos, cache, logits_at=pos)
-
-
-def top2_gap(model, tokens: list[int]) -> float:
-    top = logits_of(model, tokens)[-1].topk(2).values
-    return (top[0] - top[1]).item()
-
-
-def same_or_near_tie(model, prompt, ref, got) -> str:
-    """The verdict "equal", or "near-tie" where the reference's top two logits at the first difference are
-    within TIE; anything else is an AssertionError naming the position."""
-    if got == ref:
-        return "equal"
-    k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    gap = top2_gap(model, prompt + ref[:k])
-    assert gap < TIE, f"tokens differ at {k} with a top-2 gap of {gap:.2e}"
-    return "near-tie"
 
 
 def table(hf, ours, reqs, batch: int) -> tuple[list[dict], dict, dict]:

@@ -102,7 +102,7 @@ def plans(way: str, prompts, block_size: int = BLOCK_SIZE):
 def prefill(model, way: str, prompts, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, float]:
     """Logits at every prompt's last token, (B, vocab), and the seconds the forward(s) took."""
     step_plans, num_slots = plans(way, prompts, block_size)
-    cache = BatchedPagedKVCache(model.cfg, num_slots, dtype=model.dtype)
+    cache = BatchedPagedKVCache(model.cfg, num_slots, dtype=model.dtype, attention="gather")  # day 18's read
     cache.ensure_pools()  # allocated before the clock starts: every way pays the same
     out, seconds = [], 0.0
     with torch.inference_mode():
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     rows = table(model, named, args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, args.out)}")
+    print(f"wrote {write_csv([r | {'cpu': cpu_line()} for r in rows], args.out)}")
 
 
 if __name__ == "__main__":

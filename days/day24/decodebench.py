@@ -4,13 +4,11 @@ Sixteen prompts of different lengths (random ids above 256, lengths uniform in `
 prefilled once into one `BatchedPagedKVCache` pool, each with its own block table from a
 `BlockAllocator`, and each gets its greedy first token. Then, for 1, 2, 4, 8 and 16 rows (the
 first that many sequences), the decode step that feeds every row its newest token is run
-three ways:
+two ways, both reading the pool as the engine does on day 24 (`attention="gather"`: a padded
+copy of every row's window, masked past the row's length):
 
-* `batched, native`: `plan_decode` over all the rows, one forward, the C++ kernel reading each
-  row's K/V in place (the engine's default on CPU);
-* `batched, gather`: the same plan, attention through the padded copy of every row's window
-  (`attention="gather"`, the way days 18-56 built it);
-* `one by one`: `plan_decode` over each row alone, one forward per row, native attention.
+* `batched`: `plan_decode` over all the rows, one forward;
+* `one by one`: `plan_decode` over each row alone, one forward per row.
 
 Every way must give each row the same logits (within `TOL`, fp32) and the same greedy token;
 the script asserts it. Counted per row count: the rows' shortest and longest context, the
@@ -47,7 +45,7 @@ CSV_DECODE = HERE / "day-24-decode.csv"
 BLOCK_SIZE = 16
 TOL = 1e-3  # fp32 logits; batching changes only the rounding of the matmuls (~1e-5 seen)
 ROWS = (1, 2, 4, 8, 16)
-WAYS = ("batched, native", "batched, gather", "one by one")
+WAYS = ("batched", "one by one")
 
 
 def prompts(n: int, lengths=(32, 256), vocab: int = 49152, seed: int = 0) -> list[list[int]]:
@@ -58,8 +56,7 @@ def prompts(n: int, lengths=(32, 256), vocab: int = 49152, seed: int = 0) -> lis
 
 def decoding_rows(model, prompt_ids, block_size: int = BLOCK_SIZE, extra_blocks: int = 4):
     """Prefill every prompt into one pool and append its greedy first token, so each sequence
-    is one decode step from its next token. Returns (seqs, allocator, native cache, gather
-    cache), the two caches sharing the same K/V pools."""
+    is one decode step from its next token. Returns (seqs, allocator, cache)."""
     need = sum(-(-(len(p) + 1) // block_size) for p in prompt_ids) + extra_blocks
     alloc = BlockAllocator(need, block_size, enable_prefix_caching=False)
     seqs = []
@@ -67,18 +64,15 @@ def decoding_rows(model, prompt_ids, block_size: int = BLOCK_SIZE, extra_blocks:
         seq = Sequence(f"r{i}", p, SamplingParams(), block_size)
         alloc.allocate_prompt(seq.block_table, seq.token_ids)
         seqs.append(seq)
-    native = BatchedPagedKVCache(model.cfg, need * block_size, dtype=model.dtype, attention="native")
-    gather = BatchedPagedKVCache(model.cfg, need * block_size, dtype=model.dtype, attention="gather")
-    native.ensure_pools()
-    gather.k, gather.v = native.k, native.v  # one pool, two ways of reading it
+    cache = BatchedPagedKVCache(model.cfg, need * block_size, dtype=model.dtype, attention="gather")
     with torch.inference_mode():
         for seq in seqs:  # one prompt a forward: the day is about decode, not about prefill
             plan = plan_prefill([(seq, 0, len(seq.token_ids))], block_size)
-            first = model(plan.input_ids, plan.positions, native.view(plan), logits_at=plan.logits_at)
+            first = model(plan.input_ids, plan.positions, cache.view(plan), logits_at=plan.logits_at)
             seq.num_computed = len(seq.token_ids)
             seq.token_ids.append(int(first[0].argmax()))
             alloc.append_slots(seq.block_table, len(seq.token_ids))
-    return seqs, alloc, native, gather
+    return seqs, alloc, cache
 
 
 def decode(model, cache, seqs, block_size: int = BLOCK_SIZE) -> tuple[torch.Tensor, float]:
@@ -95,10 +89,10 @@ def one_by_one(model, cache, seqs, block_size: int = BLOCK_SIZE) -> tuple[torch.
     return torch.cat([r[0] for r in runs]), sum(r[1] for r in runs)
 
 
-def run_way(way: str, model, native, gather, seqs, block_size: int = BLOCK_SIZE):
+def run_way(way: str, model, cache, seqs, block_size: int = BLOCK_SIZE):
     if way == "one by one":
-        return one_by_one(model, native, seqs, block_size)
-    return decode(model, native if way == "batched, native" else gather, seqs, block_size)
+        return one_by_one(model, cache, seqs, block_size)
+    return decode(model, cache, seqs, block_size)
 
 
 def counts(cfg, seqs, block_size: int = BLOCK_SIZE) -> dict:
@@ -116,14 +110,14 @@ def counts(cfg, seqs, block_size: int = BLOCK_SIZE) -> dict:
     }
 
 
-def table(model, seqs, native, gather, rows=ROWS, repeats: int = 3, block_size: int = BLOCK_SIZE):
+def table(model, seqs, cache, rows=ROWS, repeats: int = 3, block_size: int = BLOCK_SIZE):
     out = []
     for n in rows:
         part = seqs[:n]
         best, logits = {}, {}
         for _ in range(repeats):
             for way in WAYS:
-                logits[way], seconds = run_way(way, model, native, gather, part, block_size)
+                logits[way], seconds = run_way(way, model, cache, part, block_size)
                 best[way] = min(best.get(way, seconds), seconds)
         ref = logits["one by one"]
         for way in WAYS:
@@ -139,7 +133,8 @@ def table(model, seqs, native, gather, rows=ROWS, repeats: int = 3, block_size: 
                     "step_ms": round(1e3 * best[way], 1),
                     "ms_per_token": round(1e3 * best[way] / n, 1),
                     "tok_s": round(n / best[way], 1),
-                    "x_batched": round(best[way] / best["batched, native"], 2),
+                    "x_batched": round(best[way] / best["batched"], 2),
+                    "cpu": cpu_line(),
                 }
             )
     return out
@@ -161,9 +156,9 @@ def main(argv=None) -> None:
     model = tiny_llama(0) if args.tiny else load_model(resolve_model_dir(args.model))
     ids = prompts(max(args.rows), tuple(args.prompt), model.cfg.vocab_size, args.seed)
     t0 = time.perf_counter()
-    seqs, _, native, gather = decoding_rows(model, ids)
+    seqs, _, cache = decoding_rows(model, ids)
     print(f"prefilled {len(seqs)} prompts ({sum(map(len, ids))} tokens) in {time.perf_counter() - t0:.1f} s")
-    rows = table(model, seqs, native, gather, args.rows, args.repeats)
+    rows = table(model, seqs, cache, args.rows, args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
     print(f"wrote {write_csv(rows, args.out)}")

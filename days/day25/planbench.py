@@ -1,24 +1,25 @@
 """Day 25: what the engine's step plans hold, per kind of step, over a staggered workload.
 
-Requests of seeded random lengths arrive a few steps apart at an engine with a small step
-budget, so its steps come in all three kinds: prefill (prompt chunks only), decode (one token
-per running row) and mixed (decode rows first, then prompt chunks). The script wraps the
-engine's `ModelRunner.plan`, and for every plan the engine builds it records the sizes of the
-plan's tensors, runs the addressing gates that apply (`check_window_intact` on every plan,
-`check_plan_addressing` on decode plans, whose rows hold one token each) and times the build.
+Requests of seeded random lengths arrive a few steps apart at the engine as of day 25
+(`engine_config(25)`: static batches, attention by gather, plain linears), so its steps come in
+the two kinds it has: prefill (whole prompts, packed) and decode (one token per running row).
+The step budget is large enough that a static batch's prompts always fit one step. The script
+wraps the engine's `ModelRunner.plan`, and for every plan the engine builds it records the
+sizes of the plan's tensors, runs the day's two checks on it (`check_windows`: every row's
+window is its block table's slots up to its length; `check_spans`: every row's span holds
+consecutive positions ending at its context, written where its window maps them, sampled at
+its last token) and times the build.
 
-Both scheduling policies run the same requests: "budget", the default, which mixes decode rows
-and prompt chunks in one step, and "prefill-first", the earlier one, whose steps are all
-prefill or all decode. Per policy and kind, one row of `day-25-plans.csv`: the steps of that
-kind, the tokens N and rows B per step (fewest and most), the widest window W, the plan's
-bytes at the largest step split into the per-token tensors (input_ids, positions,
-write_slots: 3 x N int64), the per-row ones (context_lens, logits_at: 2 x B) and the window
-(B x W), the gates passed, and the mean time to build a plan (`build_us`, this machine's).
-With `ignore_eos` the schedule depends on the lengths alone, never on the weights, so the
-counts are the same for any model; the tiny random-weight Llama keeps the run to seconds.
+Per kind, one row of `day-25-plans.csv`: the steps of that kind, the tokens N and rows B per
+step (fewest and most), the widest window W, the plan's bytes at the largest step split into
+the per-token tensors (input_ids, positions, write_slots: 3 x N int64), the per-row ones
+(context_lens, logits_at: 2 x B) and the window (B x W), the checks passed, and the mean time
+to build a plan (`build_us`, this machine's, with its `cpu`). With `ignore_eos` the schedule
+depends on the lengths alone, never on the weights, so the counts are the same for any model;
+the tiny random-weight Llama keeps the run to seconds.
 
     python days/day25/planbench.py           # tiny Llama -> day-25-plans.csv
-    python days/day25/planbench.py --requests 32 --budget 512 --out /tmp/plans.csv
+    python days/day25/planbench.py --requests 32 --max-batch 4 --out /tmp/plans.csv
 """
 
 from __future__ import annotations
@@ -30,24 +31,68 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.models import load_model
-from nanoserve.plan import check_plan_addressing, check_window_intact
 from nanoserve.sampling import SamplingParams
 from nanoserve.weights import resolve_model_dir
 
 HERE = Path(__file__).resolve().parent
 CSV_PLANS = HERE / "day-25-plans.csv"
-KINDS = ("prefill", "decode", "mixed")
-SCHEDULES = ("budget", "prefill-first")  # the default policy (day 57's) and the one before it
+KINDS = ("prefill", "decode")
 INT64 = 8  # bytes: every plan tensor is torch.long
 
 
 def kind_of(batch) -> str:
-    return "mixed" if batch.is_mixed else "decode" if batch.is_decode else "prefill"
+    assert not batch.is_mixed  # the engine of day 25 gives a step prompts or decode rows, not both
+    return "decode" if batch.is_decode else "prefill"
+
+
+def tables_of(plan) -> list[list[int]]:
+    """A copy of each row's block table as it is now (a finished sequence's table is emptied)."""
+    return [list(seq.block_table.blocks) for seq in plan.rows]
+
+
+def check_windows(plan, tables: list[list[int]] | None = None) -> None:
+    """Every row's window holds its block table's slots at every position it attends to;
+    `tables` (from `tables_of`, taken when the plan was built) default to the rows' tables now."""
+    tables = tables_of(plan) if tables is None else tables
+    for r, (seq, blocks) in enumerate(zip(plan.rows, tables)):
+        bs, ctx = seq.block_table.block_size, plan.context_lens[r].item()
+        if ctx > len(blocks) * bs:
+            raise AssertionError(f"row {r} attends over {ctx} positions, its table holds {len(blocks) * bs}")
+        want = [blocks[p // bs] * bs + p % bs for p in range(ctx)]
+        got = plan.slot_window[r, :ctx].tolist()
+        if got != want:
+            p = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            raise AssertionError(f"row {r}'s window has slot {got[p]} at position {p}, its table {want[p]}")
+
+
+def check_spans(plan) -> None:
+    """Each row's span holds consecutive positions ending at its context, each written where the
+    row's window maps it, and the row samples at its span's last token."""
+    pos, writes, ctx = plan.positions.tolist(), plan.write_slots.tolist(), plan.context_lens.tolist()
+    logits_at = plan.logits_at.tolist()
+    for r, (start, end, c) in enumerate(plan.row_spans):
+        if c != ctx[r]:
+            raise AssertionError(f"row {r}'s span ends its context at {c}, but context_lens says {ctx[r]}")
+        want = list(range(c - (end - start), c))
+        if pos[start:end] != want:
+            raise AssertionError(
+                f"row {r} holds positions {pos[start:end]}, not {want[0]}..{want[-1]} in order"
+            )
+        for i, p in zip(range(start, end), want):
+            if writes[i] != plan.slot_window[r, p].item():
+                mapped = plan.slot_window[r, p].item()
+                raise AssertionError(
+                    f"row {r} writes position {p} to slot {writes[i]}, its window says {mapped}"
+                )
+        if logits_at[r] != end - 1:
+            raise AssertionError(f"row {r} samples token {logits_at[r]}, not its last, {end - 1}")
+
+
+CHECKS = (check_windows, check_spans)
 
 
 def sizes(plan) -> dict:
@@ -64,7 +109,7 @@ def sizes(plan) -> dict:
 
 
 def record(engine: Engine) -> list[dict]:
-    """Wrap engine.runner.plan: every plan it builds is measured and gated as it is built."""
+    """Wrap engine.runner.plan: every plan it builds is measured and checked as it is built."""
     log: list[dict] = []
     build = engine.runner.plan
 
@@ -72,13 +117,9 @@ def record(engine: Engine) -> list[dict]:
         t0 = time.perf_counter()
         plan = build(batch)
         seconds = time.perf_counter() - t0
-        gates = 0
-        check_window_intact(plan)
-        gates += 1
-        if plan.is_decode:
-            check_plan_addressing(plan)
-            gates += 1
-        log.append({"kind": kind_of(batch), **sizes(plan), "gates": gates, "seconds": seconds})
+        for check in CHECKS:
+            check(plan)
+        log.append({"kind": kind_of(batch), **sizes(plan), "checks": len(CHECKS), "seconds": seconds})
         return plan
 
     engine.runner.plan = measured
@@ -94,18 +135,15 @@ def workload(n: int, prompt=(8, 200), new=(8, 48), every: int = 3, vocab: int = 
     ]
 
 
-def run(
-    model, reqs, budget: int = 64, max_batch: int = 8, block_size: int = 16, schedule: str = "budget"
-) -> tuple[Engine, list]:
+def run(model, reqs, budget: int = 2048, max_batch: int = 8, block_size: int = 16) -> tuple[Engine, list]:
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * block_size
-    config = EngineConfig(
-        schedule=schedule,
+    config = engine_config(
+        25,  # static batches, attention by gather, plain linears
         max_batch=max_batch,
         block_size=block_size,
-        max_num_batched_tokens=budget,
+        max_num_batched_tokens=budget,  # room for a whole batch's prompts: no prompt is split
         max_model_len=512,
         kv_budget=512 * per_block,
-        linear="plain",
     )
     engine = Engine(model, None, config)
     log = record(engine)
@@ -119,7 +157,7 @@ def run(
     return engine, log
 
 
-def table(log: list[dict], schedule: str = "budget") -> list[dict]:
+def table(log: list[dict]) -> list[dict]:
     rows = []
     for kind in KINDS:
         steps = [r for r in log if r["kind"] == kind]
@@ -129,7 +167,6 @@ def table(log: list[dict], schedule: str = "budget") -> list[dict]:
         total = big["per_token_bytes"] + big["per_row_bytes"] + big["window_bytes"]
         rows.append(
             {
-                "schedule": schedule,
                 "kind": kind,
                 "steps": len(steps),
                 "tokens_min": min(r["tokens"] for r in steps),
@@ -144,8 +181,9 @@ def table(log: list[dict], schedule: str = "budget") -> list[dict]:
                 "per_row_bytes": big["per_row_bytes"],
                 "window_bytes": big["window_bytes"],
                 "window_share": round(big["window_bytes"] / total, 3),
-                "gates_passed": sum(r["gates"] for r in steps),
+                "checks_passed": sum(r["checks"] for r in steps),
                 "build_us": round(1e6 * sum(r["seconds"] for r in steps) / len(steps), 1),
+                "cpu": cpu_line(),
             }
         )
     return rows
@@ -155,7 +193,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model directory instead of the tiny Llama (same counts, slower)")
     p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--budget", type=int, default=64, help="max_num_batched_tokens")
+    p.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -165,11 +203,9 @@ def main(argv=None) -> None:
     print(cpu_line())
     model = load_model(resolve_model_dir(args.model)) if args.model else tiny_llama(0)
     reqs = workload(args.requests, vocab=model.cfg.vocab_size, seed=args.seed)
-    rows = []
-    for schedule in SCHEDULES:
-        engine, log = run(model, reqs, args.budget, args.max_batch, schedule=schedule)
-        print(f"{schedule}: {len(log)} steps, step_kinds {engine.step_kinds}")
-        rows += table(log, schedule)
+    engine, log = run(model, reqs, args.budget, args.max_batch)
+    print(f"{len(log)} steps, step_kinds {engine.step_kinds}")
+    rows = table(log)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
     print(f"wrote {write_csv(rows, args.out)}")

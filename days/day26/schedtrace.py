@@ -21,7 +21,8 @@ all its tokens. Two CSVs:
 * `day-26-requests.csv`: per request, its arrival, the step it was admitted, its first and last
   token's step, steps spent waiting and running.
 
-The engine is the one of phase 3: prefill-first, attention by gather, plain linears; the model
+The engine is the one of today, `engine_config(26)`: the prefill-first schedule this day
+builds, attention by gather, plain linears; the model
 the tiny random-weight Llama, so the run takes seconds. Arrivals are step numbers, so every
 count here is the same on every run.
 
@@ -38,8 +39,7 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 
@@ -61,12 +61,9 @@ def workload(n: int = 12, seed: int = 26, prompt=(4, 40), new=(3, 16), every: in
 
 
 def engine_for(model, max_batch: int = 4, budget: int = 32, blocks: int = 256, **kw) -> Engine:
-    """The phase-3 engine on a pool of `blocks` blocks of 4 tokens (roomy unless told)."""
+    """The engine as of day 26 on a pool of `blocks` blocks of 4 tokens (roomy unless told)."""
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * BLOCK
     cfg = dict(
-        schedule="prefill-first",  # the policy of phase 3 (day 57 added "budget")
-        attention="gather",  # day 58 added the native kernel
-        linear="plain",  # day 59 packs the linears
         max_batch=max_batch,
         max_model_len=128,
         block_size=BLOCK,
@@ -74,7 +71,8 @@ def engine_for(model, max_batch: int = 4, budget: int = 32, blocks: int = 256, *
         max_num_batched_tokens=budget,
     )
     cfg.update(kw)
-    return Engine(model, None, EngineConfig(**cfg))
+    # today's schedule "prefill-first", attention "gather", linear "plain", no watermark yet
+    return Engine(model, None, engine_config(26, **cfg))
 
 
 @dataclass

@@ -1,16 +1,19 @@
 """Day 27: continuous batching against static batching, the same requests, step by step.
 
 The requests are `nanoserve.bench.throughput_workload`'s, all queued before the first step
-(an offline batch job, as `bench throughput` runs it). Two engines that differ only in
-`EngineConfig.schedule`:
+(an offline batch job, as `bench throughput` runs it). Two engines as of day 27
+(`engine_config(27)`: attention by gather, plain linears) that differ only in `schedule`:
 
-* "static": a batch is admitted only into an empty engine, as many waiting requests as there
-  are rows, and runs until its last member has finished; a finished member's row stays empty;
-* "budget" (the default): a request is admitted whenever a row is free, in whatever step that
-  is, its prompt sharing the step's token budget with the running rows' decode tokens.
+* "static" (day 22's): a batch is admitted only into an empty engine, as many waiting requests
+  as there are rows, and runs until its last member has finished; a finished member's row
+  stays empty;
+* "prefill-first" (day 26's, the engine's schedule from then on): continuous batching. A
+  request is admitted in any step a row is free, and a finished one leaves at once; a step is
+  all prefill (the prompts of those just admitted) or all decode (one token for every running
+  request), prompt work first.
 
-Per step (`day-27-occupancy.csv`): the rows the step computed and the tokens it carried, for
-each policy. Per policy (`day-27-continuous.csv`): steps by kind, row-steps, mean rows and
+Per step (`day-27-occupancy.csv`): the rows the step computed, the tokens it carried and its
+kind, for each policy. Per policy (`day-27-continuous.csv`): steps by kind, row-steps, mean rows and
 tokens a step, the share of the engine's seats in use, the generated tokens and whether every
 request's tokens equal the request run alone (`generate.greedy_tokens`); and this machine's
 wall time and tokens a second, each policy the faster of `--repeats` runs taken in turn.
@@ -30,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line, throughput_workload
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
@@ -40,7 +42,7 @@ from nanoserve.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 CSV = HERE / "day-27-continuous.csv"
 CSV_STEPS = HERE / "day-27-occupancy.csv"
-POLICIES = ("static", "budget")
+POLICIES = ("static", "prefill-first")
 FULL = {"requests": 64, "prompt": (16, 256), "new": (16, 128), "rows": 16, "budget": 512}  # the bench's
 SMALL = {"requests": 16, "prompt": (4, 24), "new": (2, 24), "rows": 4, "budget": 512}  # the notebook's
 
@@ -51,7 +53,8 @@ def make_engine(model, schedule: str, rows: int, budget: int, block_size: int = 
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * block_size
     max_len = model.cfg.max_position_embeddings
     blocks = rows * (-(-max_len // block_size) + 1) + 1
-    config = EngineConfig(
+    config = engine_config(
+        27,  # the engine as of today: attention "gather", linear "plain", no watermark
         schedule=schedule,
         max_batch=rows,
         max_model_len=max_len,
@@ -59,7 +62,6 @@ def make_engine(model, schedule: str, rows: int, budget: int, block_size: int = 
         kv_budget=blocks * per_block + per_block // block_size,
         max_num_batched_tokens=budget,
         enable_prefix_caching=False,  # random prompts share nothing; keep the run about batching
-        linear="plain",  # the model stays the eager reference's
     )
     return Engine(model, None, config)
 
@@ -74,7 +76,8 @@ def run(engine: Engine, reqs) -> dict:
     def watched():
         before = list(sched.running)
         b = schedule()
-        kind = "mixed" if b.is_mixed else "decode" if b.is_decode else "prefill"
+        assert not b.is_mixed  # both policies give a step prompt work or decode rows, not both
+        kind = "decode" if b.is_decode else "prefill"
         steps.append(
             {
                 "kind": kind,
@@ -114,7 +117,6 @@ def summary(policy: str, got: dict, rows: int, budget: int, same: int) -> dict:
         "steps": len(steps),
         "prefill_steps": sum(s["kind"] == "prefill" for s in steps),
         "decode_steps": sum(s["kind"] == "decode" for s in steps),
-        "mixed_steps": sum(s["kind"] == "mixed" for s in steps),
         "row_steps": row_steps,
         "mean_rows": round(row_steps / len(steps), 2),
         "seat_use": round(row_steps / (len(steps) * rows), 3),
@@ -123,6 +125,7 @@ def summary(policy: str, got: dict, rows: int, budget: int, same: int) -> dict:
         "same_as_alone": same,
         "seconds": round(got["seconds"], 2),
         "tok_s": round(generated / got["seconds"], 1),
+        "cpu": cpu_line(),
     }
 
 
@@ -178,10 +181,10 @@ def main(argv=None) -> None:
     rows, per_step, _ = table(model, reqs, args.rows, args.budget, args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    static, budget = rows
+    static, cont = rows
     print(
-        f"budget / static: {static['steps'] / budget['steps']:.2f}x fewer steps, "
-        f"{budget['tok_s'] / static['tok_s']:.2f}x the tokens a second (tiny model, this machine)"
+        f"prefill-first / static: {static['steps'] / cont['steps']:.2f}x fewer steps, "
+        f"{cont['tok_s'] / static['tok_s']:.2f}x the tokens a second (tiny model, this machine)"
     )
     print(f"wrote {write_csv(rows, args.out)}")
     print(f"wrote {write_csv(per_step, args.out_steps)}")

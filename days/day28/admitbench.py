@@ -30,9 +30,9 @@ Three CSVs:
   every request's tokens equal the default's (near-ties excused as the tests do, and counted),
   and the run's seconds and tokens/s.
 
-The engine runs prefill-first (the phase-3 policy, where admission runs before decode and the
-reserve matters most) with prefix caching off, so a preempted prompt recomputes all it lost; its
-attention and linears are the current defaults, which move the timings only. The counts depend
+The engine is the one of day 28 (`engine_config(28)`: prefill-first, where admission runs
+before decode and the reserve matters most; the gather read of the pool; the model's own
+linears) with prefix caching off, so a preempted prompt recomputes all it lost. The counts depend
 only on lengths and the policy, never on the model, so `drive` reproduces the engine's counts
 exactly (asserted here, and in the notebook); the timings are this machine's.
 
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import write_csv
+from nanocourse import engine_config, top2_gap, write_csv
 from nanoserve.bench import cpu_line, throughput_workload
 from nanoserve.blocks import BlockAllocator
 from nanoserve.config import EngineConfig
@@ -176,10 +176,12 @@ def workload_seqs(reqs, block_size: int, max_model_len: int) -> list[Sequence]:
     return seqs
 
 
-def engine_config(name: str, args) -> EngineConfig:
+def config_for(name: str, args) -> EngineConfig:
+    """The engine as of day 28 (prefill-first, the gather read, the model's own linears) with the
+    named reserve's watermark."""
     watermark, _ = RESERVES[name]
-    return EngineConfig(
-        schedule="prefill-first",  # the phase-3 policy, where admission runs before decode
+    return engine_config(
+        28,
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
         kv_budget=args.kv_blocks * args.per_block + args.per_block // 2,
@@ -199,7 +201,7 @@ def drive_workload(name: str, reqs, args) -> Counts:
 def run_engine(model, tok, name: str, reqs, args) -> tuple[Counts, list[list[int]], float]:
     """The workload through a fresh engine: its counts, every request's tokens, seconds."""
     _, cls = RESERVES[name]
-    engine = Engine(model, tok, engine_config(name, args))
+    engine = Engine(model, tok, config_for(name, args))
     assert engine.pool.num_blocks == args.kv_blocks, engine.pool.num_blocks
     engine.scheduler.__class__ = cls
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -245,19 +247,9 @@ def sweep_table(seed: int = 0) -> list[dict]:
 
 def admission_table(model, tok, args) -> list[dict]:
     """Every reserve on the workload through the engine; counts checked against `drive`."""
-    from nanoserve.contiguous import NoCache
-
     reqs = throughput_workload(
         args.requests, args.prompt_len, args.output_len, model.cfg.vocab_size, args.seed
     )
-
-    def top2_gap(tokens):
-        cache, pos = NoCache(), torch.arange(len(tokens))
-        cache.begin(pos)
-        with torch.inference_mode():
-            logits = model(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
-        top = logits.topk(2).values
-        return (top[0] - top[1]).item()
 
     runs = {}
     for name in RESERVES:
@@ -274,7 +266,7 @@ def admission_table(model, tok, args) -> list[dict]:
                 equal += 1
                 continue
             k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-            gap = top2_gap(prompt + ref[:k])
+            gap = top2_gap(model, prompt + ref[:k])
             assert gap < 1e-4, f"{name}: tokens differ at {k} with a top-2 gap of {gap:.2e}"
             ties += 1
         useful = sum(len(t) for t in tokens)
@@ -289,6 +281,7 @@ def admission_table(model, tok, args) -> list[dict]:
                 "useful_tokens": useful,
                 "seconds": f"{seconds:.1f}",
                 "tok_s": f"{useful / seconds:.1f}",
+                "cpu": cpu_line(),
             }
         )
     return rows

@@ -38,10 +38,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, top2_gap, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
-from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 
@@ -68,10 +66,11 @@ def tiny_workload(n: int = 8, seed: int = 29, vocab: int = 256):
 
 
 def engine_for(model, tok, blocks: int, block_size: int, max_model_len: int, caching: bool = False) -> Engine:
-    """The phase-3 engine (prefill-first) on a pool of `blocks` blocks."""
+    """The engine as of day 29 (prefill-first, the gather read, the model's own linears) on a pool
+    of `blocks` blocks."""
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * block_size
-    cfg = EngineConfig(
-        schedule="prefill-first",
+    cfg = engine_config(
+        29,
         max_batch=8,
         block_size=block_size,
         kv_budget=per_block * blocks + per_block // 2,
@@ -169,16 +168,6 @@ def run(engine: Engine, reqs) -> Run:
     return out
 
 
-def top2_gap(model, tokens: list[int]) -> float:
-    """The reference's top-1 minus top-2 logit for the token after `tokens`."""
-    cache, pos = NoCache(), torch.arange(len(tokens))
-    cache.begin(pos)
-    with torch.inference_mode():
-        logits = model(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
-    top = logits.topk(2).values
-    return (top[0] - top[1]).item()
-
-
 def compare(model, reqs, ref: list[list[int]], got: list[list[int]]) -> tuple[int, int]:
     """(requests equal, requests differing only at a near-tie); raises on a real difference."""
     equal = ties = 0
@@ -214,6 +203,7 @@ def run_row(name, model_name, engine, reqs, ref_run, this_run, model) -> dict:
         "near_ties": ties,
         "requests": len(reqs),
         "seconds": f"{this_run.seconds:.1f}",
+        "cpu": cpu_line(),
     }
 
 

@@ -2,12 +2,13 @@
 
 A prompt longer than a step's token budget (`max_num_batched_tokens`) is computed over several
 steps, one chunk a step. The script runs one long prompt arriving among streams that are already
-decoding, for several budgets, under the two continuous policies: "budget" (decode rows first,
-the chunk in what is left of the step) and "prefill-first" (a step with prompt work in it holds
-nothing else, so the streams wait out every chunk). Three CSVs:
+decoding, for several budgets, on the engine as of day 30 (`engine_config(30, ...)`: the
+"prefill-first" schedule, where a step with prompt work in it holds nothing else, so the streams
+wait out every chunk; the gather read of the pool; the model's own linears). A step that mixes
+decode rows with a chunk is a later day's (57). Three CSVs:
 
 * `day-30-steps.csv`, the tiny random-weight Llama (nothing to load): 3 streams with 6-token
-  prompts from step 0, a 100-token prompt arriving at step 5. Per policy and budget: the long
+  prompts from step 0, a 100-token prompt arriving at step 5. Per budget: the long
   prompt's chunks and their sizes, the streams' longest gap between two tokens in steps, their
   stream-steps with no token, the steps from the long prompt's arrival to its first token, and
   whether every request's greedy tokens equal the eager reference's (`generate.greedy_tokens`).
@@ -39,15 +40,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
-POLICIES = ("budget", "prefill-first")
+POLICIES = ("prefill-first",)  # the one continuous schedule of day 30
 TINY_BUDGETS = (8, 16, 32, 64, 128)
 QUESTIONS = ["What is a lighthouse?", "Name three rivers.", "Why is the sky blue?", "What is rain?"]
 
@@ -161,14 +161,15 @@ def sizes(chunks: list[tuple[int, int, int]]) -> str:
 
 
 def engine_for(model, tok, policy: str, budget: int, block_size: int, kv_budget, max_model_len: int):
-    cfg = EngineConfig(
+    """The engine as of day 30 under `policy` ("prefill-first" or "static")."""
+    cfg = engine_config(
+        30,
         schedule=policy,
         max_batch=8,
         max_model_len=max_model_len,
         block_size=block_size,
         kv_budget=kv_budget,
         max_num_batched_tokens=budget,
-        linear="plain",  # the model stays as loaded: the eager reference runs on it too
     )
     return Engine(model, tok, cfg)
 
@@ -271,7 +272,7 @@ def smol_table(model, tok, args) -> tuple[list[dict], list[dict]]:
     reqs = smol_requests(tok, args.prompt_len, args.stream_tokens, args.arrive)
     eager = {rid: greedy_tokens(model, ids, n) for rid, ids, n, _ in reqs}
     streams = [r[0] for r in reqs if r[0] != "long"]
-    warm = engine_for(model, tok, "budget", 64, 16, "48MiB", 1024)
+    warm = engine_for(model, tok, "prefill-first", 64, 16, "48MiB", 1024)
     run_workload(warm, [("warm", reqs[-1][1], 2, 0)])  # first-call costs out of the way
     configs = [(policy, budget) for policy in POLICIES for budget in args.budgets]
     repeats: dict[tuple[str, int], list[Run]] = {c: [] for c in configs}
@@ -291,6 +292,7 @@ def smol_table(model, tok, args) -> tuple[list[dict], list[dict]]:
         assert same == len(eager), f"{policy} at budget {budget}: tokens differ from the eager path's"
         row = facts(run, "long", streams, same, policy, budget)
         row.update(timed_gaps(run, step_ms, streams, "long"))
+        row["cpu"] = cpu_line()
         rows.append(row)
         print(row, flush=True)
         for i, (step, ms) in enumerate(zip(run.spans, step_ms)):
@@ -302,6 +304,7 @@ def smol_table(model, tok, args) -> tuple[list[dict], list[dict]]:
                     "decode_rows": sum(k == "decode" for *_, k in step),
                     "chunk_tokens": sum(b - a for _, a, b, k in step if k == "chunk"),
                     "step_ms": f"{ms:.1f}",
+                    "cpu": cpu_line(),
                 }
             )
     return rows, trace
@@ -315,7 +318,7 @@ def main(argv=None) -> None:
     ap.add_argument("--stream-tokens", type=int, default=14)
     ap.add_argument("--arrive", type=int, default=6, help="step the long prompt arrives at")
     ap.add_argument(
-        "--repeats", type=int, default=3, help="runs per (policy, budget); steps timed at their fastest"
+        "--repeats", type=int, default=2, help="runs per (policy, budget); steps timed at their fastest"
     )
     ap.add_argument("--skip-smollm", action="store_true", help="only the tiny model's table")
     args = ap.parse_args(argv)

@@ -1,7 +1,8 @@
 """Day 31's benchmark: who waits, and whether anyone waits for ever.
 
-The scheduler admits from the front of its waiting queue, first come first served, under all
-three policies ("budget", "prefill-first", "static"). This script measures what that order costs
+The scheduler admits from the front of its waiting queue, first come first served, under both
+policies the engine of day 31 has ("prefill-first", "static"; `engine_config(31, ...)`, with the
+gather read of the pool and the model's own linears). This script measures what that order costs
 each request, and what a scheduler that reorders the queue (shortest prompt first) does to the
 request it puts last. Four CSVs:
 
@@ -14,7 +15,7 @@ request it puts last. Four CSVs:
   the short ones' mean and longest wait, the steps in all.
 * `day-31-starve.csv`, the tiny model: two short requests fill both rows, a 40-token prompt
   arrives before step 1, and then a short request every 2 steps, 20 of them. Per scheduler (the
-  three policies, and `ShortestFirst` on the budget policy): the long prompt's wait, the step it
+  two policies, and `ShortestFirst` on prefill-first): the long prompt's wait, the step it
   was admitted in against the step the last short one arrived in, how many later arrivals were
   admitted before it, the short ones' longest wait.
 * `day-31-ms.csv`, SmolLM2-135M-Instruct (fp32, one thread): the order workload with a
@@ -38,16 +39,15 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
 from nanoserve.scheduler import Scheduler
 
 HERE = Path(__file__).resolve().parent
-POLICIES = ("budget", "prefill-first", "static")
+POLICIES = ("prefill-first", "static")
 QUESTIONS = ["What is a lighthouse?", "Name three rivers.", "Why is the sky blue?", "What is rain?"]
 
 
@@ -72,9 +72,10 @@ class Run:
         return self.token_step[rid][0] - self.arrived[rid] + 1
 
 
-def run_workload(engine: Engine, requests: list[tuple[str, list[int], int, int]]) -> Run:
-    """requests: (id, prompt ids, max_tokens, arrival step), queued in list order within a step.
-    Steps the engine until every request has finished; greedy, EOS ignored."""
+def run_workload(engine: Engine, requests: list[tuple]) -> Run:
+    """requests: (id, prompt ids, max_tokens, arrival step), queued in list order within a step,
+    each with an optional fifth field, its priority (for an engine with `scheduling_policy`
+    "priority"). Steps the engine until every request has finished; greedy, EOS ignored."""
     run, sched = Run(), engine.scheduler
     schedule = sched.schedule
 
@@ -92,8 +93,9 @@ def run_workload(engine: Engine, requests: list[tuple[str, list[int], int, int]]
     try:
         while pending or engine.has_unfinished():
             while pending and pending[0][1][3] <= step:
-                rid, ids, n, _ = pending.pop(0)[1]
-                engine.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), request_id=rid)
+                rid, ids, n, _, *priority = pending.pop(0)[1]
+                params = SamplingParams(max_tokens=n, ignore_eos=True, priority=(priority or [0])[0])
+                engine.add_request(ids, params, request_id=rid)
                 run.arrived[rid], run.token_step[rid], run.tokens[rid] = step, [], []
             t0 = time.perf_counter()
             outs = engine.step()
@@ -138,16 +140,18 @@ def check_bounded_bypass(run: Run, most: int = 0) -> None:
 
 
 def engine_for(
-    model, tok, policy: str, budget: int, max_batch: int, block_size: int, kv_budget, max_len: int
+    model, tok, policy: str, budget: int, max_batch: int, block_size: int, kv_budget, max_len: int, **kw
 ):
-    cfg = EngineConfig(
+    """The engine as of day 31 under `policy` (`kw`: more of its config)."""
+    cfg = engine_config(
+        31,
+        **kw,
         schedule=policy,
         max_batch=max_batch,
         max_model_len=max_len,
         block_size=block_size,
         kv_budget=kv_budget,
         max_num_batched_tokens=budget,
-        linear="plain",  # the model stays as loaded: the eager reference runs on it too
     )
     return Engine(model, tok, cfg)
 
@@ -164,9 +168,13 @@ def tiny_prompt(seed: int, n: int) -> list[int]:
     return torch.randint(1, 256, (n,), generator=g).tolist()
 
 
-def tiny_engine(model, policy: str, max_batch: int = 4, budget: int = 16, scheduler=Scheduler) -> Engine:
+def tiny_engine(
+    model, policy: str, max_batch: int = 4, budget: int = 16, scheduler=Scheduler, blocks: int = 256, **kw
+) -> Engine:
+    """The tiny model's engine as of day 31: `blocks` KV blocks of 4 tokens; `kw` more of
+    `engine_config` (scheduling_policy="priority" for section 7)."""
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 4
-    engine = engine_for(model, None, policy, budget, max_batch, 4, per_block * 256, 256)
+    engine = engine_for(model, None, policy, budget, max_batch, 4, per_block * blocks, 256, **kw)
     engine.scheduler.__class__ = scheduler
     return engine
 
@@ -220,7 +228,7 @@ def summary(rows: list[dict]) -> dict:
 
 
 def order_table(model=None) -> tuple[list[dict], list[dict], dict]:
-    """Both orders under the three policies, tokens held to the eager loop's."""
+    """Both orders under both policies, tokens held to the eager loop's."""
     model = model or tiny_model()
     rows, sums, runs = [], [], {}
     for long_first in (True, False):
@@ -245,7 +253,7 @@ def starve_table(model=None) -> tuple[list[dict], dict]:
     eager = {rid: greedy_tokens(model, ids, n) for rid, ids, n, _ in reqs}
     last_arrival = max(r[3] for r in reqs)
     rows, runs = [], {}
-    variants = [(p, Scheduler) for p in POLICIES] + [("budget", ShortestFirst)]
+    variants = [(p, Scheduler) for p in POLICIES] + [("prefill-first", ShortestFirst)]
     for policy, scheduler in variants:
         run = run_workload(tiny_engine(model, policy, max_batch=2, scheduler=scheduler), reqs)
         assert all(run.tokens[r] == eager[r] for r in eager), f"{scheduler.__name__}: tokens differ"
@@ -288,7 +296,7 @@ def smol_table(model, tok, repeats: int) -> list[dict]:
     reqs = {lf: smol_requests(tok, lf) for lf in (True, False)}
     eager = {rid: greedy_tokens(model, ids, n) for rid, ids, n, _ in reqs[True]}
     prompts = {rid: len(ids) for rid, ids, _, _ in reqs[True]}
-    engine_for(model, tok, "budget", 64, 4, 16, "32MiB", 512).generate([[1, 2, 3]], use_tqdm=False)  # warm-up
+    engine_for(model, tok, "prefill-first", 64, 4, 16, "32MiB", 512).generate([[1, 2, 3]], use_tqdm=False)
     done: dict = {c: [] for c in configs}
     for _ in range(repeats):  # round robin, so a burst of load lands on different configs
         for long_first, policy in configs:
@@ -307,6 +315,7 @@ def smol_table(model, tok, repeats: int) -> list[dict]:
             assert row["same_as_eager"], f"{order}, {policy}: {rid}'s tokens differ"
             row["queue_ms"] = f"{sum(step_ms[run.arrived[rid] : run.admitted[rid]]):.1f}"
             row["first_token_ms"] = f"{sum(step_ms[run.arrived[rid] : run.token_step[rid][0] + 1]):.1f}"
+            row["cpu"] = cpu_line()
             rows.append(row)
             print(row, flush=True)
     return rows

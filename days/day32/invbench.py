@@ -22,6 +22,9 @@ gap under 1e-4 at the first differing position) excuses as near-ties. Three CSVs
   over one position too few), the tiny pool in batches of 8: how many requests diverge, and how
   many of them the near-tie rule excuses at tolerances from 1e-7 to 1e-2 (the tests' is 1e-4).
 
+Every engine is the one of day 32 (`engine_config(32, ...)`: prefill-first steps, the gather
+read of the pool, the model's own linears).
+
     python days/day32/invbench.py                 # writes the three CSVs next to this file
     python days/day32/invbench.py --skip-smollm   # the tiny model only
 """
@@ -29,7 +32,6 @@ gap under 1e-4 at the first differing position) excuses as near-ties. Three CSVs
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import sys
 import time
@@ -37,9 +39,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import REPO, tiny_llama, write_csv
+from nanocourse import REPO, engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
@@ -156,14 +157,10 @@ def tiny_model():
 
 def tiny_engine(model, budget: int, max_batch: int = 16) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 4
-    cfg = EngineConfig(
-        max_batch=max_batch,
-        max_model_len=256,
-        block_size=4,
-        kv_budget=per_block * 1024,
+    cfg = engine_config(
+        32, max_batch=max_batch, max_model_len=256, block_size=4, kv_budget=per_block * 1024,
         max_num_batched_tokens=budget,
-        linear="plain",
-    )
+    )  # fmt: skip
     return Engine(model, None, cfg)
 
 
@@ -248,10 +245,10 @@ def smol_table(model, tok, new: int = 16) -> list[dict]:
         for name, (batches, stagger) in layouts.items():
             results = []
             for group in batches:
-                cfg = EngineConfig(
-                    max_batch=8, max_model_len=256, kv_budget="16MiB", max_num_batched_tokens=budget
+                cfg = engine_config(
+                    32, max_batch=8, max_model_len=256, kv_budget="16MiB", max_num_batched_tokens=budget
                 )
-                engine = Engine(model, tok, dataclasses.replace(cfg, linear="plain"))
+                engine = Engine(model, tok, cfg)
                 tokens, logits = run_batch(engine, {r: prompts[r] for r in group}, stagger)
                 for rid in group:
                     ref, ref_logits = refs[rid]

@@ -1,25 +1,27 @@
-"""Day 33: throughput of the three scheduling policies, and what `bench throughput` compared.
+"""Day 33: throughput of static and continuous batching, and what `bench throughput` compared.
 
 Two tables:
 
 * `day-33-throughput.csv`: `bench.throughput_workload`'s requests, all queued at once, through
-  the engine under each `EngineConfig.schedule` ("static", "prefill-first", "budget"), on the
-  tiny random-weight Llama (the notebook's size) and on SmolLM2-135M-Instruct (a small run: 8
-  requests, 4 rows, the linears packed as the bench runs them), where transformers' `generate`
-  also runs them in static, left-padded batches of as many rows
-  (`bench.run_transformers_workload`, one run). Per way: steps by kind (forward passes, for
-  transformers), preemptions, generated tokens, how many requests' tokens equal the budget
-  policy's (a difference excused only at a near-tie of the eager reference), and this machine's
-  wall time, tokens a second and mean milliseconds per step of each kind, each way the fastest
-  of its runs, the ways taking turns.
+  the engine as of day 33 (`engine_config(33, ...)`: the gather read of the pool, the model's
+  own linears) under the two schedules it has ("static", "prefill-first"), on the tiny
+  random-weight Llama (the notebook's size) and on SmolLM2-135M-Instruct (a small run: 8
+  requests, 4 rows), where transformers' `generate` also runs them in static, left-padded
+  batches of as many rows (`bench.run_transformers_workload`, one run). Per way: steps by kind
+  (forward passes, for transformers), preemptions, generated tokens, how many requests' tokens
+  equal the prefill-first schedule's (a difference excused only at a near-tie of the eager
+  reference), and this machine's wall time, tokens a second and mean milliseconds per step of
+  each kind, each way the fastest of its runs, the ways taking turns.
 * `day-33-replay.csv`: the scheduling of `python -m nanoserve.bench throughput` itself (64
   requests, prompts 16-256, outputs 16-128, 64 rows, a budget of 512 tokens, the default pool of
   512 MiB = 728 blocks of SmolLM2 fp32), replayed on the tiny model with a pool of the same 728
-  blocks, under each policy, and again at 16 rows, the size of the bench's transformers
+  blocks, under each schedule, and again at 16 rows, the size of the bench's transformers
   batches. Which sequence runs in which step depends only on the lengths and the blocks, never
   on the weights (end-of-sequence is ignored), so the replay's steps, preemptions and
   recomputed tokens are those of a real run with that configuration; its times are not, and
-  are not kept.
+  are not kept. The benchmark itself runs the package's current engine, which later days
+  build on (mixed steps, day 57; attention in place, 58; packed linears, 59); the replay runs
+  day 33's schedules on its lengths.
 
     python days/day33/throughputbench.py                  # both tables
     python days/day33/throughputbench.py --no-smollm      # tiny model and replay only
@@ -33,10 +35,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, top2_gap, write_csv
 from nanoserve.bench import cpu_line, run_nanoserve_workload, run_transformers_workload, throughput_workload
-from nanoserve.config import EngineConfig
-from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_model
 from nanoserve.pool import DEFAULT_CPU_BUDGET, plan_pool
@@ -46,25 +46,25 @@ from nanoserve.weights import fetch_default_model
 HERE = Path(__file__).resolve().parent
 CSV = HERE / "day-33-throughput.csv"
 CSV_REPLAY = HERE / "day-33-replay.csv"
-POLICIES = ("static", "prefill-first", "budget")
+POLICIES = ("static", "prefill-first")
 TINY = {"requests": 64, "prompt": (8, 64), "new": (4, 32), "rows": 8, "budget": 64}  # the notebook's
 SMOLLM = {"requests": 8, "prompt": (16, 48), "new": (8, 24), "rows": 4, "budget": 64}
 BENCH = {"requests": 64, "prompt": (16, 256), "new": (16, 128), "rows": 64, "budget": 512}  # its defaults
 TIE = 1e-4
 
 
-def make_engine(model, schedule: str, rows: int, budget: int, linear: str = "plain") -> Engine:
-    """The engine under `schedule`, its pool roomy enough that nothing waits for blocks;
-    `linear` as EngineConfig.linear ("auto" packs the model's linears in place, for good)."""
+def make_engine(model, schedule: str, rows: int, budget: int) -> Engine:
+    """The engine as of day 33 under `schedule`, its pool roomy enough that nothing waits for
+    blocks."""
     per_token = model.cfg.kv_bytes_per_token(model.dtype)
     num_blocks = rows * (-(-min(model.cfg.max_position_embeddings, 1024) // 16) + 1) + 1
-    config = EngineConfig(
+    config = engine_config(
+        33,
         schedule=schedule,
         max_batch=rows,
         max_model_len=min(model.cfg.max_position_embeddings, num_blocks * 16),
-        kv_budget=per_token * (num_blocks * 16 + 1),  # the blocks and the sink slot
+        kv_budget=per_token * (num_blocks * 16 + 1),  # the blocks and the pool's one spare slot
         max_num_batched_tokens=budget,
-        linear=linear,
     )
     return Engine(model, None, config)
 
@@ -98,14 +98,6 @@ def run(engine: Engine, reqs) -> dict:
     }
 
 
-def top2_gap(model, tokens: list[int]) -> float:
-    cache, pos = NoCache(), torch.arange(len(tokens))
-    cache.begin(pos)
-    logits = model(torch.tensor(tokens), pos, cache, logits_at=torch.tensor([len(tokens) - 1]))[0]
-    top = logits.topk(2).values
-    return (top[0] - top[1]).item()
-
-
 def agreeing(model, reqs, ref, got) -> int:
     """Requests whose tokens equal ref's, or differ first where the eager reference's top two
     logits are within TIE (a near-tie: batch shapes round differently)."""
@@ -117,22 +109,22 @@ def agreeing(model, reqs, ref, got) -> int:
     return n
 
 
-def policy_rows(model, name: str, reqs, rows: int, budget: int, repeats: int, linear: str = "plain"):
-    """The three policies on one model, in turn `repeats` times, each keeping its fastest run.
-    Returns the table's rows and the budget policy's tokens."""
+def policy_rows(model, name: str, reqs, rows: int, budget: int, repeats: int):
+    """The two schedules on one model, in turn `repeats` times, each keeping its fastest run.
+    Returns the table's rows and the prefill-first schedule's tokens."""
     best = {}
     for _ in range(repeats):
         for policy in POLICIES:
-            got = run(make_engine(model, policy, rows, budget, linear), reqs)
+            got = run(make_engine(model, policy, rows, budget), reqs)
             if policy not in best or got["seconds"] < best[policy]["seconds"]:
                 best[policy] = got
-    ref = best["budget"]["tokens"]
+    ref = best["prefill-first"]["tokens"]
     out = []
     for policy, got in best.items():
         generated = sum(len(t) for t in got["tokens"])
         assert generated == sum(n for _, n in reqs), f"{policy}: a request did not get its tokens"
         same = agreeing(model, reqs, ref, got["tokens"])
-        assert same == len(reqs), f"{policy}: {len(reqs) - same} requests differ from the budget policy"
+        assert same == len(reqs), f"{policy}: {len(reqs) - same} requests differ from prefill-first's"
         kinds = got["kinds"]
         out.append(
             {
@@ -144,14 +136,14 @@ def policy_rows(model, name: str, reqs, rows: int, budget: int, repeats: int, li
                 "steps": sum(kinds.values()),
                 "prefill_steps": kinds["prefill"],
                 "decode_steps": kinds["decode"],
-                "mixed_steps": kinds["mixed"],
                 "preemptions": got["preemptions"],
                 "generated": generated,
                 "same_tokens": same,
                 "seconds": round(got["seconds"], 2),
                 "tok_s": round(generated / got["seconds"], 1),
             }
-            | {f"ms_{k}_step": ms(got["kind_seconds"][k], kinds[k]) for k in ("prefill", "decode", "mixed")}
+            | {f"ms_{k}_step": ms(got["kind_seconds"][k], kinds[k]) for k in ("prefill", "decode")}
+            | {"cpu": cpu_line()}
         )
     return out, ref
 
@@ -199,7 +191,6 @@ def transformers_row(model_dir, reqs, rows: int, repeats: int, ref, ours) -> dic
         "steps": len(calls),
         "prefill_steps": len(outs),
         "decode_steps": len(calls) - len(outs),
-        "mixed_steps": "",
         "preemptions": "",
         "generated": useful,
         "same_tokens": agreeing(ours, reqs, ref, tokens),
@@ -207,7 +198,7 @@ def transformers_row(model_dir, reqs, rows: int, repeats: int, ref, ours) -> dic
         "tok_s": round(useful / best, 1),
         "ms_prefill_step": "",
         "ms_decode_step": "",
-        "ms_mixed_step": "",
+        "cpu": cpu_line(),
     }
 
 
@@ -221,13 +212,13 @@ def replay_rows(tiny) -> list[dict]:
     per_token = tiny.cfg.kv_bytes_per_token(torch.float32)
     out = []
     for rows, policy in [(r, p) for r in (BENCH["rows"], 16) for p in POLICIES]:
-        config = EngineConfig(
+        config = engine_config(
+            33,
             schedule=policy,
             max_batch=rows,
             max_num_batched_tokens=BENCH["budget"],
             max_model_len=smol_cfg.max_position_embeddings,
             kv_budget=per_token * (blocks * 16 + 1),
-            linear="plain",
         )
         engines: list = []
         _, useful, preemptions = run_nanoserve_workload(tiny, None, reqs, config, engines)
@@ -245,7 +236,6 @@ def replay_rows(tiny) -> list[dict]:
                 "steps": steps,
                 "prefill_steps": kinds["prefill"] - 1,
                 "decode_steps": kinds["decode"] - 1,
-                "mixed_steps": kinds["mixed"],
                 "preemptions": preemptions,
                 "recomputed_tokens": engine.scheduler.recomputed_tokens,
                 "generated": useful,
@@ -286,8 +276,7 @@ def main(argv=None) -> None:
         model_dir = fetch_default_model()
         smol = load_model(model_dir)
         reqs = throughput_workload(s["requests"], s["prompt"], s["new"], smol.cfg.vocab_size, seed=0)
-        # the linears packed for oneDNN, as `bench throughput` runs them (twice as fast here)
-        got, ref = policy_rows(smol, "SmolLM2-135M", reqs, s["rows"], s["budget"], args.repeats, "auto")
+        got, ref = policy_rows(smol, "SmolLM2-135M", reqs, s["rows"], s["budget"], args.repeats)
         rows += got
         if not args.no_transformers:
             rows.append(transformers_row(model_dir, reqs, s["rows"], 1, ref, smol))  # one run: the slowest
@@ -301,8 +290,10 @@ def main(argv=None) -> None:
     print(f"wrote {write_csv(replay, args.out_replay)}")
     for model in dict.fromkeys(r["model"] for r in rows):
         ways = {r["way"]: r for r in rows if r["model"] == model}
-        b, st = ways["nanoserve budget"], ways["nanoserve static"]
-        print(f"RESULT {model} budget/static={b['tok_s']}/{st['tok_s']}={b['tok_s'] / st['tok_s']:.2f}x")
+        b, st = ways["nanoserve prefill-first"], ways["nanoserve static"]
+        print(
+            f"RESULT {model} prefill-first/static={b['tok_s']}/{st['tok_s']}={b['tok_s'] / st['tok_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Day 34: the engine's API driven by hand, and the offline loop against the plain greedy loop.
 
-Two tables, both on the tiny random-weight Llama (`course.tiny_llama`), greedy, one thread:
+Two tables, both on the tiny random-weight Llama (`nanocourse.tiny_llama`), greedy, one thread:
 
 * `day-34-steps.csv`: one row per `Engine.step()` of a small hand-driven run. Three requests
   of different lengths are queued at once, a fourth is added after step 2 and aborted after
@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_llama, write_csv
+from nanocourse import engine_config, tiny_llama, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
@@ -43,14 +42,15 @@ ADD_AT, ABORT_AT = 2, 4
 
 
 def make_engine(model, rows: int = 4, blocks: int = 64, max_model_len: int = 128) -> Engine:
-    """The engine of day 34: a paged KV pool of `blocks` blocks, `rows` sequences at once."""
+    """The engine of day 34 (prefill-first steps, the gather read, the model's own linears, the
+    ops decode step): a paged KV pool of `blocks` blocks, `rows` sequences at once."""
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * BLOCK
-    config = EngineConfig(
+    config = engine_config(
+        34,
         max_batch=rows,
         block_size=BLOCK,
         kv_budget=blocks * per_block + per_block // BLOCK,  # + the sink slot
         max_model_len=max_model_len,
-        linear="plain",  # the model stays the eager reference's
     )
     return Engine(model, None, config)
 
@@ -134,6 +134,7 @@ def engine_table(model, reqs, rows: int, repeats: int = 2) -> list[dict]:
                 "same_as_greedy": sum(a == b for a, b in zip(got[way], got["greedy_tokens"])),
                 "seconds": round(best[way], 3),
                 "tok_s": round(tokens / best[way], 1),
+                "cpu": cpu_line(),
             }
         )
     return table

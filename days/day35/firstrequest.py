@@ -1,7 +1,7 @@
 """Day 35: the engine behind HTTP, asked its first questions on loopback.
 
 `create_app(engine)` is served by uvicorn on a free port of 127.0.0.1, in a thread of this
-process (`course.ServerThread`), and a fixed list of requests goes to it through real HTTP
+process (`nanocourse.ServerThread`), and a fixed list of requests goes to it through real HTTP
 clients: httpx, and the official `openai` package for the completions. The engine is the tiny
 random-weight Llama with no tokenizer, so prompts are token ids and the tokens come back through
 `return_token_ids`. Before the server starts, the same engine runs the prompt itself
@@ -25,8 +25,8 @@ import httpx
 import openai
 import torch
 
-from nanocourse import ServerThread, tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, engine_config, tiny_llama, write_csv
+from nanoserve.bench import cpu_line
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app
@@ -40,7 +40,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 def make_engine(model, rows: int = 4, blocks: int = 64) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
     budget = blocks * per_block + per_block // 16  # + the sink slot
-    config = EngineConfig(max_batch=rows, max_model_len=256, kv_budget=budget, linear="plain")
+    config = engine_config(35, max_batch=rows, max_model_len=256, kv_budget=budget)
     engine = Engine(model, None, config)
     engine.model_name = MODEL  # what /v1/models lists and requests must name
     return engine
@@ -111,6 +111,7 @@ def main(argv=None) -> None:
     print("the engine's own tokens:", own)
     with ServerThread(create_app(engine)) as url:
         rows = requests_table(url, own, max_tokens=args.max_tokens)
+    rows = [r | {"cpu": cpu_line()} for r in rows]  # the ms column is this machine's
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
     print(f"wrote {write_csv(rows, args.out)}")

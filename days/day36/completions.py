@@ -28,8 +28,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import served, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import engine_config, served, write_csv
 from nanoserve.contiguous import NoCache
 from nanoserve.engine import Engine
 
@@ -52,7 +51,7 @@ def make_engine(model, tokenizer) -> Engine:
     """The engine the day serves: SmolLM2 on a 32 MiB pool (720 tokens), 8 rows, the default
     linears (packed in place for oneDNN where the CPU allows, about half the CPU time of plain
     ones here). A forward outside the engine (`logits_of`) runs the same packed matrices."""
-    config = EngineConfig(max_batch=8, max_model_len=512, kv_budget=32 * 2**20)
+    config = engine_config(36, max_batch=8, max_model_len=512, kv_budget=32 * 2**20)
     engine = Engine(model, tokenizer, config)
     engine.model_name = MODEL_NAME
     return engine
@@ -258,6 +257,8 @@ def main() -> None:
         requests, _ = requests_table(url, tok)
         scores = scores_table(url, model, tok, questions)
         batching = batching_table(url, engine, tok, questions)
+    requests = [r | {"cpu": cpu_line()} for r in requests]  # their ms columns are this machine's
+    batching = [r | {"cpu": cpu_line()} for r in batching]
     for name, rows in (("requests", requests), ("scores", scores), ("batching", batching)):
         for row in rows:
             print(row)

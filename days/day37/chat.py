@@ -27,8 +27,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import served, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import engine_config, served, write_csv
 from nanoserve.engine import Engine
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +48,7 @@ CONVERSATIONS = {
 
 def make_engine(model, tokenizer) -> Engine:
     """SmolLM2 on a 32 MiB pool (720 tokens), 8 rows, the default (packed) linears."""
-    engine = Engine(model, tokenizer, EngineConfig(max_batch=8, max_model_len=512, kv_budget=32 * 2**20))
+    engine = Engine(model, tokenizer, engine_config(37, max_batch=8, max_model_len=512, kv_budget=32 * 2**20))
     engine.model_name = MODEL_NAME
     return engine
 
@@ -166,6 +165,7 @@ def main() -> None:
     with served(make_engine(model, tok)) as url:
         prompts = [prompt_row(url, tok, name, m) for name, m in CONVERSATIONS.items()]
         answers = [answer_row(url, tok, name, m, args.max_tokens) for name, m in CONVERSATIONS.items()]
+    answers = [r | {"cpu": cpu_line()} for r in answers]  # its ms columns are this machine's
     for name, rows in (("prompts", prompts), ("answers", answers)):
         for row in rows:
             print(row)

@@ -30,8 +30,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import served, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import engine_config, served, write_csv
 from nanoserve.engine import Engine
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +43,7 @@ ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 def make_engine(model, tokenizer) -> Engine:
     """SmolLM2 on a 32 MiB pool (720 tokens), 8 rows, the default (packed) linears."""
-    engine = Engine(model, tokenizer, EngineConfig(max_batch=8, max_model_len=512, kv_budget=32 * 2**20))
+    engine = Engine(model, tokenizer, engine_config(38, max_batch=8, max_model_len=512, kv_budget=32 * 2**20))
     engine.model_name = MODEL_NAME
     return engine
 
@@ -200,7 +199,7 @@ def main() -> None:
     with served(make_engine(model, tok)) as url:
         for route in ROUTES:
             for n in args.lengths:
-                rows.append(frames_row(url, route, n))
+                rows.append(frames_row(url, route, n) | {"cpu": cpu_line()})  # its ms are this machine's
                 print(rows[-1])
     write_csv(rows, args.out)
 

@@ -1,6 +1,6 @@
 """Day 39: clients that leave, and what the server does with their blocks.
 
-Three clients ask one in-process server (uvicorn on loopback, `course.ServerThread`) for
+Three clients ask one in-process server (uvicorn on loopback, `nanocourse.ServerThread`) for
 greedy completions at once; one of them, the leaver, goes away before its answer is complete.
 The engine is the course's tiny random-weight Llama with SmolLM2's vocabulary, so the real
 tokenizer turns its tokens into text and the streams carry characters. A `Pacer` wraps
@@ -34,8 +34,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import ServerThread, tiny_config, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, engine_config, tiny_config, write_csv
+from nanoserve.bench import cpu_line
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
@@ -63,7 +63,7 @@ def tiny_model(vocab_size: int, seed: int = 0) -> Llama:
 def make_engine(model, tokenizer, rows: int = 4, blocks: int = 32, max_model_len: int = 256) -> Engine:
     per_token = model.cfg.kv_bytes_per_token(model.dtype)
     budget = blocks * 16 * per_token + per_token  # the blocks and the sink slot
-    config = EngineConfig(linear="plain", max_batch=rows, max_model_len=max_model_len, kv_budget=budget)
+    config = engine_config(39, max_batch=rows, max_model_len=max_model_len, kv_budget=budget)
     engine = Engine(model, tokenizer, config)
     engine.model_name = MODEL
     return engine
@@ -379,6 +379,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(fetch_default_model())
     rows, _ = table(tiny_model(tok.vocab_size), tok, args.leave_after, args.max_tokens, args.leaver_tokens)
+    rows = [r | {"cpu": cpu_line()} for r in rows]  # notice_ms is this machine's
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
     print(f"wrote {write_csv(rows, args.out)}")

@@ -1,6 +1,6 @@
 """Day 40: bad requests, the answers they get, and the requests in flight beside them.
 
-One in-process server (uvicorn on loopback, `course.ServerThread`) serves the course's tiny
+One in-process server (uvicorn on loopback, `nanocourse.ServerThread`) serves the course's tiny
 random-weight Llama widened to SmolLM2's vocabulary, so SmolLM2's tokenizer and chat template
 work on it, with a context of 256 tokens and a body cap of 64 KiB. Two healthy streaming
 completions are put in flight first; then the engine is held (a gate on `Engine.step`) and
@@ -29,8 +29,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import ServerThread, tiny_config, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, engine_config, tiny_config, write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
@@ -155,7 +154,7 @@ def tiny_model(vocab_size: int, seed: int = 0) -> Llama:
 def make_engine(model, tokenizer, rows: int = 4, blocks: int = 48) -> Engine:
     per_token = model.cfg.kv_bytes_per_token(model.dtype)
     budget = blocks * 16 * per_token + per_token  # the blocks and the sink slot
-    config = EngineConfig(linear="plain", max_batch=rows, max_model_len=CONTEXT, kv_budget=budget)
+    config = engine_config(40, max_batch=rows, max_model_len=CONTEXT, kv_budget=budget)
     engine = Engine(model, tokenizer, config)
     engine.model_name = MODEL
     return engine

@@ -1,7 +1,7 @@
 """Day 41: `/health` and the pool plan. Every state the route reports, produced for real.
 
 `create_app` is served by uvicorn on a free port of 127.0.0.1 in a thread of this process
-(`course.ServerThread`), in front of the tiny random-weight Llama (no tokenizer: prompts are token
+(`nanocourse.ServerThread`), in front of the tiny random-weight Llama (no tokenizer: prompts are token
 ids). Every request goes through httpx or the `openai` client. Nothing here waits on a clock:
 the slow builder and the held engine move on only when an explicit `threading.Event` is set,
 and every wait has a deadline that raises with a sentence when it passes.
@@ -33,7 +33,7 @@ import openai
 import torch
 from fastapi.responses import JSONResponse
 
-from nanocourse import ServerThread, tiny_llama, write_csv
+from nanocourse import ServerThread, engine_config, tiny_llama, write_csv
 from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.pool import plan_pool
@@ -68,24 +68,26 @@ class HeldEngine(Engine):
         return super().step()
 
 
-def engine_config(blocks: int = 32, block_size: int = 16, max_model_len: int = 128, **kw) -> EngineConfig:
+def pool_config(blocks: int = 32, block_size: int = 16, max_model_len: int = 128) -> EngineConfig:
+    """The engine of day 41 with a pool of exactly `blocks` blocks of `block_size` tokens."""
     per_slot = 2 * 2 * 2 * 16 * 4  # K and V x 2 layers x 2 KV heads x head dim 16 x fp32 bytes
     budget = blocks * block_size * per_slot + per_slot  # exactly `blocks` blocks and the sink slot
-    return EngineConfig(max_batch=2, max_model_len=max_model_len, block_size=block_size, kv_budget=budget,
-                        linear="plain", **kw)  # fmt: skip
+    return engine_config(
+        41, max_batch=2, max_model_len=max_model_len, block_size=block_size, kv_budget=budget
+    )
 
 
-def make_engine(model, capture: bool = True, **kw) -> HeldEngine:
-    """The tiny model's engine, with days 52-54's decode path on so the warm-up has a list."""
-    switches = {"bucket_decode": capture, "persist_inputs": capture, "capture_decode": capture}
-    engine = HeldEngine(model, None, engine_config(**kw, **switches))
+def make_engine(model, **kw) -> HeldEngine:
+    """The tiny model's engine, held or let go by its `go` event."""
+    engine = HeldEngine(model, None, pool_config(**kw))
     engine.model_name = MODEL
     return engine
 
 
 class HeldBuilder:
-    """A builder for `create_app` that stops in each phase until that phase's event is set, then
-    warms a prebuilt engine (its real warm-up: pool allocated, the warm list recorded)."""
+    """A builder for `create_app` that reports each phase and stops in it until that phase's
+    event is set, then hands back a prebuilt engine. "warming" is where a builder warms the engine
+    up; day 55 builds that warm-up, so this one only reports the phase and waits."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -105,8 +107,6 @@ class HeldBuilder:
             self.reached.append(phase)
             if not self.gates[phase].wait(WAIT):
                 raise TimeoutError(f"nobody released the builder from '{phase}' within {WAIT:g} s")
-        rows, width, ceiling = self.engine.warm_trim()
-        self.engine.warm_report = self.engine.warm_decode(rows, width)
         return self.engine
 
 
@@ -208,7 +208,7 @@ def probe_failed_build(model) -> dict:
 
     def builder(on_phase):
         on_phase("loading")
-        return Engine(model, None, engine_config(blocks=4, max_model_len=128))  # 64 tokens < 128
+        return Engine(model, None, pool_config(blocks=4, max_model_len=128))  # 64 tokens < 128
 
     with ServerThread(create_app(builder, on_failure=lambda reason: failed.set())) as url:
         if not failed.wait(WAIT):
@@ -218,7 +218,7 @@ def probe_failed_build(model) -> dict:
 
 def probe_dead_loop(model) -> dict:
     """The engine loop dies in its own hand-off code after a step (as tests/test_faults.py does)."""
-    app = create_app(make_engine(model, capture=False))
+    app = create_app(make_engine(model))
 
     def boom(*args):
         raise RuntimeError("planted fault in the hand-off")
@@ -253,7 +253,7 @@ def pool_body(plan) -> dict:
 
 
 def probe_pool(model, blocks: int, block_size: int) -> dict:
-    engine = make_engine(model, capture=False, blocks=blocks, block_size=block_size, max_model_len=64)
+    engine = make_engine(model, blocks=blocks, block_size=block_size, max_model_len=64)
     with contextlib.redirect_stderr(io.StringIO()), ServerThread(create_app(engine)) as url:
         h = httpx.get(url + "/health", timeout=10)
     got = h.json()["pool"]

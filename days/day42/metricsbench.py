@@ -1,7 +1,7 @@
 """Day 42: what `/metrics` says after a short load, read with prometheus_client's own parser.
 
 `create_app(engine)` is served by uvicorn on a free port of 127.0.0.1, in a thread of this
-process (`course.ServerThread`). The engine is the tiny random-weight Llama with no tokenizer,
+process (`nanocourse.ServerThread`). The engine is the tiny random-weight Llama with no tokenizer,
 so prompts are token ids. A seeded list of completions (`ignore_eos`, so each returns exactly
 `max_tokens` tokens) goes to it through httpx, a few at a time; `/metrics` is scraped before and
 after, and parsed with `prometheus_client.parser.text_string_to_metric_families`.
@@ -35,8 +35,8 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanocourse import ServerThread, tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, engine_config, tiny_llama, write_csv
+from nanoserve.bench import cpu_line
 from nanoserve.engine import Engine
 from nanoserve.serve import create_app
 
@@ -48,7 +48,7 @@ HISTOGRAMS = ["nanoserve_time_to_first_token_seconds", "nanoserve_inter_token_la
 def make_engine(model, rows: int = 4, blocks: int = 96) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
     budget = blocks * per_block + per_block // 16  # + the sink slot
-    config = EngineConfig(max_batch=rows, max_model_len=256, kv_budget=budget, linear="plain")
+    config = engine_config(42, max_batch=rows, max_model_len=256, kv_budget=budget)
     engine = Engine(model, None, config)
     engine.model_name = MODEL
     return engine
@@ -196,8 +196,9 @@ def main(argv=None):
     tables = {
         "day-42-names.csv": names_table(after),
         "day-42-counts.csv": counts_table(after, sent),
-        "day-42-buckets.csv": buckets_table(after),
-        "day-42-requests.csv": sent,
+        # the buckets and the round trips are this machine's clock
+        "day-42-buckets.csv": [r | {"cpu": cpu_line()} for r in buckets_table(after)],
+        "day-42-requests.csv": [r | {"cpu": cpu_line()} for r in sent],
     }
     for file, rows in tables.items():
         write_csv(rows, args.out / file)

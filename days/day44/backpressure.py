@@ -16,24 +16,35 @@ are token ids). Every request goes through httpx. Three limits are probed, one C
   drains, /health is 503 "draining" and a new request is 503 with Retry-After. With a drain
   timeout long enough, the requests in flight finish with 200 and none is cut; with a short one
   and an engine still paused, all are cut with 503 at the timeout.
+* `day-44-overload.csv`: what a queue limit does to TTFT. The engine runs (not paused) with
+  `max_batch` 2, and `loadgen.run_open_loop` sends it requests at Poisson times at `--rate`, a
+  rate above what it serves, so a queue builds. Once with the server's default limit (1024:
+  every request waits its turn) and once with `--overload-waiting`: the served requests' TTFT
+  and TPOT, how many were refused with 429, and the goodput under `--slo-ttft-ms`/`--slo-tpot-ms`.
 
-    python days/day44/backpressure.py                      # writes the three CSVs
+The engine is the one of day 44 (`engine_config(44, ...)`: the prefill-first schedule, the
+gather read of the KV pool, plain linears, a decode step of torch ops).
+
+    python days/day44/backpressure.py                      # writes the four CSVs
     python days/day44/backpressure.py --max-waiting 0 1 2 4 8 --extra 3
+    python days/day44/backpressure.py --rate 100 --overload-requests 96 --overload-waiting 2 8
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import torch
 
-from nanocourse import ServerThread, tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, cpu_line, engine_config, tiny_llama, write_csv
+from nanoserve import loadgen
 from nanoserve.engine import Engine
 from nanoserve.serve import create_app, drain
 
@@ -41,6 +52,8 @@ HERE = Path(__file__).resolve().parent
 MODEL = "tiny-llama"
 JSON = {"content-type": "application/json"}
 MAX_TOKENS = 8  # each admitted request asks this many tokens (ignore_eos: it gets them all)
+DEFAULT_WAITING = 1024  # create_app's max_waiting when none is given
+SLO_TTFT_MS, SLO_TPOT_MS = 250.0, 25.0  # the objective of day 43's open-loop table
 
 
 class PausedEngine(Engine):
@@ -61,7 +74,7 @@ class PausedEngine(Engine):
 
 def make_engine(model, rows: int = 1, blocks: int = 64) -> PausedEngine:
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
-    config = EngineConfig(max_batch=rows, max_model_len=128, kv_budget=blocks * per_block, linear="plain")
+    config = engine_config(44, max_batch=rows, max_model_len=128, kv_budget=blocks * per_block)
     engine = PausedEngine(model, None, config)
     engine.model_name = MODEL
     return engine
@@ -202,6 +215,44 @@ def probe_drain(model, in_flight: int = 3, timeout: float = 10.0, release: bool 
     }
 
 
+def overload_workload(n: int, seed: int = 0) -> list[loadgen.LoadRequest]:
+    """n completions of 4-24 random ids asking 8-24 tokens (ids 17-255: the tiny vocab)."""
+    return loadgen.token_workload(n, prompt_len=(4, 24), output_len=(8, 24), vocab=256, seed=seed)
+
+
+def probe_overload(model, rate: float, n: int = 48, max_waiting: int = DEFAULT_WAITING, rows: int = 2,
+                   seed: int = 0, slo: tuple[float, float] = (SLO_TTFT_MS, SLO_TPOT_MS)) -> dict:  # fmt: skip
+    """n requests at Poisson times at `rate` per second to a running engine of `rows` rows
+    behind a queue of `max_waiting`; what the served ones saw, and how many were refused."""
+    engine = make_engine(model, rows=rows)
+    engine.paused.clear()
+    with ServerThread(create_app(engine, max_waiting=max_waiting)) as url:
+        reqs = overload_workload(n, seed)
+        with ThreadPoolExecutor(1) as pool:  # an event loop of its own (a notebook runs one already)
+            report = pool.submit(
+                asyncio.run, loadgen.run_open_loop(url, reqs, rate=rate, seed=seed, model=MODEL)
+            ).result()
+    s = loadgen.summarize(report)
+    g = loadgen.goodput(report, ttft_ms=slo[0], tpot_ms=slo[1])
+    rs = report.results
+    return {
+        "max_waiting": max_waiting,
+        "request_rate": rate,
+        "requests": len(rs),
+        "status_200": sum(r.complete for r in rs),
+        "status_429": sum((r.error or "").startswith("HTTP 429") for r in rs),
+        "other": sum(not r.complete and not (r.error or "").startswith("HTTP 429") for r in rs),
+        "peak_in_flight": report.concurrency,
+        "seconds": s["seconds"],
+        "ttft_p50_ms": s["ttft_p50_ms"],
+        "ttft_p99_ms": s["ttft_p99_ms"],
+        "ttft_max_ms": round(1000 * max((r.ttft for r in rs if r.ttft is not None), default=float("nan")), 1),
+        "tpot_p50_ms": s["tpot_p50_ms"],
+        **{k: g[k] for k in ("slo_ttft_ms", "slo_tpot_ms", "good", "goodput_req_s")},
+        "cpu": cpu_line(),
+    }
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-waiting", type=int, nargs="+", default=[0, 1, 2, 4])
@@ -209,6 +260,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cap", type=int, default=256, help="the body cap probed, in bytes")
     ap.add_argument("--in-flight", type=int, default=3, help="requests in flight when the drain starts")
     ap.add_argument("--short-timeout", type=float, default=0.3, help="the drain timeout that cuts")
+    ap.add_argument("--rate", type=float, default=256.0, help="overload: arrivals per second")
+    ap.add_argument("--overload-requests", type=int, default=48)
+    ap.add_argument("--overload-waiting", type=int, nargs="+", default=[4], help="queue limits to compare")
     ap.add_argument("--out", type=Path, default=HERE)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -222,7 +276,13 @@ def main(argv=None) -> None:
         probe_drain(model, args.in_flight, timeout=10.0, release=True),
         probe_drain(model, args.in_flight, timeout=args.short_timeout, release=False),
     ]
-    for name, rows in (("queue", queue_rows), ("body", probe_body(model, args.cap)), ("drain", drains)):
+    overload = [
+        probe_overload(model, args.rate, args.overload_requests, w)
+        for w in [DEFAULT_WAITING, *args.overload_waiting]
+    ]
+    tables = (("queue", queue_rows), ("body", probe_body(model, args.cap)), ("drain", drains),
+              ("overload", overload))  # fmt: skip
+    for name, rows in tables:
         path = write_csv(rows, args.out / f"day-44-{name}.csv")
         print(path.name)
         for r in rows:

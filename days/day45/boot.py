@@ -8,13 +8,17 @@ Three tables, each written next to this file:
 * `day-45-cli.csv`: bad options given to the real command, `python -m nanoserve serve ...`, as a
   subprocess: its exit code, how many lines it wrote to stderr, whether one was a traceback, and
   the line itself.
-* `day-45-serve.csv`: one real boot of `python -m nanoserve serve` (the default model, a small
-  warm list), watched from outside: every line it writes to stderr and every change of what
+* `day-45-serve.csv`: one real boot of `python -m nanoserve serve` (the default model's fp32
+  weights), watched from outside: every line it writes to stderr and every change of what
   `GET /health` answers, with the seconds since launch; then one completion, SIGTERM, and the
   exit code.
 
+The engine is the one of day 45 (`engine_config(45, ...)`, and the same ways given to the
+command as options: the prefill-first schedule, the gather read of the KV pool, plain linears, a
+decode step of torch ops, no recorded graphs).
+
     python days/day45/boot.py                    # all three tables
-    python days/day45/boot.py --only serve --warm-max-width 128
+    python days/day45/boot.py --only serve --max-batch 8
 """
 
 from __future__ import annotations
@@ -32,29 +36,26 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import REPO, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import REPO, cpu_line, engine_config, write_csv
 from nanoserve.engine import build_engine
 
 HERE = Path(__file__).resolve().parent
 
-# the day's config: small enough to boot in seconds on 2 cores, with every phase present
-BASE = dict(
-    max_batch=4,
-    max_model_len=512,
-    kv_budget=64 * 2**20,
-    attention="gather",
-    bucket_decode=True,
-    persist_inputs=True,
-    capture_decode=True,
-    warm_max_width=64,
-)
+# the day's config (on top of engine_config(45)): small enough to boot in seconds on 2 cores
+BASE = dict(max_batch=4, max_model_len=512, kv_budget=64 * 2**20)
+
+# the command-line options that give `nanoserve serve` the engine of day 45 (its defaults are the
+# finished engine's: packed or quantized weights, the native kernel, mixed steps, recorded graphs)
+DAY_OPTIONS = (
+    "--weights", "dtype", "--linear", "plain", "--attention", "gather", "--schedule", "prefill-first",
+    "--decode-step", "ops", "--watermark", "0.05", "--no-capture",
+)  # fmt: skip
 
 # (name, the fields that differ from BASE)
 BAD_CONFIGS = [
     ("max_batch 0", {"max_batch": 0}),
     ("dtype fp16", {"dtype": "float16"}),
-    ("capture without persistent inputs", {"persist_inputs": False}),
+    ("block_size 0", {"block_size": 0}),
     ("watermark 1.5", {"watermark": 1.5}),
     ("max_model_len 1", {"max_model_len": 1}),
     ("max_model_len 100000", {"max_model_len": 100_000}),
@@ -73,7 +74,7 @@ BAD_OPTIONS = [
 def refusal_row(name: str, change: dict, model_dir=None) -> dict:
     """Hand one bad config to build_engine; what refused it, and how far the boot had got."""
     phases = []
-    config = EngineConfig(**{**BASE, "model": str(model_dir) if model_dir else None, **change})
+    config = engine_config(45, **{**BASE, "model": str(model_dir) if model_dir else None, **change})
     t0 = time.perf_counter()
     try:
         build_engine(config, on_phase=phases.append)
@@ -87,6 +88,7 @@ def refusal_row(name: str, change: dict, model_dir=None) -> dict:
         "refused": "before loading" if not phases else "after loading",
         "error": error,
         "ms": round(ms, 1),
+        "cpu": cpu_line(),  # the machine the time was taken on
     }
 
 
@@ -128,15 +130,14 @@ def health_status(url: str) -> str:
     return f"{r.status_code} {r.json()['status']}"
 
 
-def serve_table(warm_max_width: int = 64, max_batch: int = 4, threads: int = 1) -> list[dict]:
+def serve_table(max_batch: int = 4, threads: int = 1) -> list[dict]:
     """Launch `nanoserve serve`, watch its stderr and /health until it is ready, send one
     completion, stop it with SIGTERM; one row per stderr line and per /health change."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = nanoserve_cmd(
         "--port", str(port), "--max-batch", str(max_batch), "--max-model-len", "512",
-        "--kv-budget", "64MiB", "--attention", "gather", "--warm-max-width", str(warm_max_width),
-        "--threads", str(threads),
+        "--kv-budget", "64MiB", "--threads", str(threads), "--no-access-log", *DAY_OPTIONS,
     )  # fmt: skip
     rows, t0, lock = [], time.perf_counter(), threading.Lock()
 
@@ -173,14 +174,16 @@ def serve_table(warm_max_width: int = 64, max_batch: int = 4, threads: int = 1) 
     rows.sort(key=lambda r: r["t_s"])
     for i, row in enumerate(rows):
         row["n"] = i
-    return [{"n": r["n"], "source": r["source"], "what": r["what"], "t_s": r["t_s"]} for r in rows]
+    cpu = cpu_line()  # the machine the times were taken on
+    return [
+        {"n": r["n"], "source": r["source"], "what": r["what"], "t_s": r["t_s"], "cpu": cpu} for r in rows
+    ]
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=["refusals", "cli", "serve"], default=None)
     p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--warm-max-width", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=4)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -196,7 +199,7 @@ def main(argv=None) -> None:
             print(r)
         print("wrote", write_csv(rows, HERE / "day-45-cli.csv"))
     if args.only in (None, "serve"):
-        rows = serve_table(args.warm_max_width, args.max_batch)
+        rows = serve_table(args.max_batch)
         for r in rows:
             print(r)
         print("wrote", write_csv(rows, HERE / "day-45-serve.csv"))

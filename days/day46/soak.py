@@ -29,8 +29,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanocourse import ServerThread, tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, cpu_line, engine_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.sampling import SamplingParams
 from nanoserve.serve import create_app
@@ -50,7 +49,9 @@ BAD = [
 
 def make_engine(model, rows: int = 4, blocks: int = 64) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
-    config = EngineConfig(max_batch=rows, max_model_len=256, kv_budget=blocks * per_block + per_block // 16)
+    config = engine_config(
+        46, max_batch=rows, max_model_len=256, kv_budget=blocks * per_block + per_block // 16
+    )
     engine = Engine(model, None, config)
     engine.model_name = "tiny-llama"
     return engine
@@ -324,11 +325,12 @@ def main() -> None:
     for r in ledger:
         print(r)
     print("clean:", clean["verdict"], "| leak:", leak["verdict"])
-    write_csv(rows, args.out / "day-46-soak.csv")
-    write_csv(ledger, args.out / "day-46-ledger.csv")
+    cpu = {"cpu": cpu_line()}  # the machine the timings were taken on
+    write_csv([r | cpu for r in rows], args.out / "day-46-soak.csv")
+    write_csv([r | cpu for r in ledger], args.out / "day-46-ledger.csv")
     cols = ("client", "kind", "what", "status", "outcome", "finish_reason", "seconds")
     write_csv(
-        [{k: r[k] for k in cols} | {"tokens": len(r["tokens"])} for r in clean["results"]],
+        [{k: r[k] for k in cols} | {"tokens": len(r["tokens"])} | cpu for r in clean["results"]],
         args.out / "day-46-clients.csv",
     )
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from nanocourse import ServerThread, tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import ServerThread, cpu_line, engine_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.serve import create_app
 
@@ -39,7 +38,9 @@ class PlantedFatal(BaseException):
 
 def make_engine(model, rows: int = 4, blocks: int = 64) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(model.dtype) * 16
-    config = EngineConfig(max_batch=rows, max_model_len=256, kv_budget=blocks * per_block + per_block // 16)
+    config = engine_config(
+        47, max_batch=rows, max_model_len=256, kv_budget=blocks * per_block + per_block // 16
+    )
     engine = Engine(model, None, config)
     engine.model_name = "tiny-llama"
     return engine
@@ -108,6 +109,7 @@ def scenario(fault: str, max_tokens: int = 60, step_sleep: float = 0.005) -> dic
         "new_request": after[0],
         "blocks_used_after": engine.allocator.num_used,
         "longest_wait_s": round(max(w for _, _, w in answers), 2),
+        "cpu": cpu_line(),  # the machine the wait was timed on
     }
 
 

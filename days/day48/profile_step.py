@@ -33,8 +33,7 @@ from torch.profiler import record_function
 import nanoserve.cache
 import nanoserve.engine
 import nanoserve.models.llama
-from nanocourse import cpu_profile, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import cpu_profile, engine_config, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.sampling import SamplingParams
@@ -209,10 +208,8 @@ def build_engine(model, batch: int, prompt_len: int = PROMPT_LEN, seed: int = 0)
     cfg = model.cfg
     block = 16
     blocks = batch * (MAX_MODEL_LEN // block) + 1
-    config = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        48,  # the engine as of day 48: prefill-first, gather attention, plain linears, ops step
         max_batch=batch,
         max_model_len=MAX_MODEL_LEN,
         block_size=block,

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from nanocourse import cpu_profile, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import cpu_profile, engine_config, write_csv
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import Llama, LlamaConfig
@@ -126,10 +125,8 @@ def build_engine(model: Llama, batch: int, prompt_len: int = PROMPT_LEN, seed: i
     """`batch` requests of `prompt_len` random tokens, greedy, long enough never to finish here."""
     cfg = model.cfg
     blocks = batch * (MAX_MODEL_LEN // BLOCK) + 1
-    config = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        49,  # the engine as of day 49: prefill-first, gather attention, plain linears, ops step
         max_batch=batch,
         max_model_len=MAX_MODEL_LEN,
         block_size=BLOCK,

@@ -3,17 +3,18 @@
 Two tables, both facts that hold on any machine (timings are extra columns, left out of the
 journal's checked columns):
 
-* `day-50-fields.csv`: for every field of a bucketed, persistent decode `StepPlan`, whether a
-  HostGraph recorded over it keeps it *bound* (a tensor: replay reads whatever is in its storage
-  now) or *frozen* (a Python value: copied at recording), its shape, and where its storage lives
-  in the bucketed+persistent engine and in plain `plan_decode`.
+* `day-50-fields.csv`: for every field of a decode `StepPlan` (as `plan_decode` builds it),
+  whether a HostGraph recorded over it keeps it *bound* (a tensor: replay reads whatever is in
+  its storage now) or *frozen* (a Python value: copied at recording), its shape, and where
+  `plan_decode` puts it each step.
 * `day-50-replay.csv`: one row per scenario. Toy functions first (new numbers in a bound tensor,
   a frozen int, a frozen list, a rebound name, a moved storage), then a tiny random Llama's
   decode through the engine's runner: a graph recorded on the first step of each shape is
-  replayed on every later step of that shape and compared with an eager run of the same plan,
-  with inputs written in place, with `positions` a fresh tensor each step, and with plain
-  `plan_decode` (every tensor fresh). The engine always continues on the eager logits, so the
-  three runs see the same tokens.
+  replayed on every later step of that shape and compared with an eager run of the same plan.
+  `plan_decode` builds every tensor new each step, so the harness does by hand what a graph
+  needs: before a replay it copies the step's tensors into the ones the graph holds (all of
+  them, or all but `positions`, or none). The engine always continues on the eager logits, so
+  the three runs see the same tokens.
 
 A HostGraph replays the same Python and the same kernels as eager: on CPU it saves nothing
 (the `eager_ms`/`replay_ms` columns say so). What a CUDA graph saves is launch overhead (Day 49),
@@ -34,9 +35,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_config, tiny_llama, write_csv
+from nanocourse import cpu_line, engine_config, tiny_config, tiny_llama, write_csv
 from nanoserve.capture import HostGraph, ReplayError
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
@@ -54,21 +54,11 @@ def tiny_model(seed: int = 0) -> Llama:
     return tiny_llama(seed, WEIGHT_STD, TINY.max_position_embeddings)
 
 
-def tiny_engine(model: Llama, bucketed: bool = True) -> Engine:
-    """4 rows, blocks of 4 tokens, 64-token context, widths in multiples of 16."""
+def tiny_engine(model: Llama) -> Engine:
+    """4 rows, blocks of 4 tokens, 64-token context: the engine as of day 50, whose decode plans
+    come from `plan_decode` (new tensors each step, the window as wide as the longest row)."""
     per_block = TINY.kv_bytes_per_token(torch.float32) * 4
-    cfg = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
-        max_batch=4,
-        block_size=4,
-        max_model_len=64,
-        kv_budget=per_block * 64,
-        width_multiple=16,
-        bucket_decode=bucketed,
-        persist_inputs=bucketed,
-    )
+    cfg = engine_config(50, max_batch=4, block_size=4, max_model_len=64, kv_budget=per_block * 64)
     return Engine(model, None, cfg)
 
 
@@ -138,9 +128,16 @@ def toy_scenarios() -> list[dict]:
 # --- a real decode step -------------------------------------------------------------------------
 
 
-def fresh_positions(plan):
-    """The plan as a builder that makes `positions` anew each step would hand it over."""
-    return dataclasses.replace(plan, positions=plan.positions.clone())
+TENSOR_FIELDS = ("input_ids", "positions", "write_slots", "context_lens", "slot_window", "logits_at")
+MODES = {"copied in": (), "positions not copied": ("positions",), "nothing copied": TENSOR_FIELDS}
+
+
+def copy_in(recorded, plan, skip=()) -> None:
+    """Write `plan`'s tensors into the recorded plan's (the storage a graph over it is bound to),
+    all but the fields in `skip`: by hand, what a graph needs before each replay."""
+    for name in TENSOR_FIELDS:
+        if name not in skip:
+            getattr(recorded, name).copy_(getattr(plan, name))
 
 
 @dataclass
@@ -165,14 +162,10 @@ class DecodeLog:
 def watch_decode(eng: Engine, mode: str) -> DecodeLog:
     """Drive PROMPTS through `eng` greedily. Decode steps record a HostGraph over the runner's
     forward on the first plan of each (rows, width) shape; every later step of that shape
-    replays it first, then runs eager on the same plan (which rewrites the same K/V slots with
-    the right values) and the engine continues on eager's logits.
-
-    mode: "in place" (the engine's own plans), "fresh positions" (positions cloned each step)."""
-    runner, log, graphs = eng.runner, DecodeLog(), {}
-    plan_fn = runner.plan
-    if mode == "fresh positions":
-        runner.plan = lambda batch: fresh_positions(plan_fn(batch))
+    copies its tensors into the graph's (as `mode` says: a key of MODES), replays, then runs
+    eager on the same plan (which rewrites the same K/V slots with the right values) and the
+    engine continues on eager's logits."""
+    runner, log, graphs, skip = eng.runner, DecodeLog(), {}, MODES[mode]
 
     @torch.inference_mode()
     def execute(plan):
@@ -187,6 +180,7 @@ def watch_decode(eng: Engine, mode: str) -> DecodeLog:
             log.max_dlogit.append(0.0)
             log.argmax_differs.append(0)
             return graphs[shape].output
+        copy_in(graphs[shape].args[0], plan, skip)
         t0 = time.perf_counter()
         replayed = graphs[shape].replay()[:n].clone()
         t1 = time.perf_counter()
@@ -207,17 +201,13 @@ def watch_decode(eng: Engine, mode: str) -> DecodeLog:
 
 
 def decode_logs(model: Llama) -> dict[str, DecodeLog]:
-    return {
-        "in place": watch_decode(tiny_engine(model), "in place"),
-        "fresh positions": watch_decode(tiny_engine(model), "fresh positions"),
-        "plan_decode": watch_decode(tiny_engine(model, bucketed=False), "in place"),
-    }
+    return {mode: watch_decode(tiny_engine(model), mode) for mode in MODES}
 
 
 DECODE_SCENARIOS = {
-    "in place": ("tiny Llama decode: inputs written in place", "bucketed plan, PersistentInputs"),
-    "fresh positions": ("tiny Llama decode: positions a fresh tensor", "positions cloned each step"),
-    "plan_decode": ("tiny Llama decode: plain plan_decode", "every tensor new each step"),
+    "copied in": ("tiny Llama decode: inputs copied into the graph's", "every tensor copied in"),
+    "positions not copied": ("tiny Llama decode: positions left out", "all but positions copied in"),
+    "nothing copied": ("tiny Llama decode: plain plan_decode", "every tensor new each step"),
 }
 
 
@@ -248,12 +238,12 @@ def replay_table(model: Llama | None = None, logs=None) -> list[dict]:
     model = model or tiny_model()
     logs = logs or decode_logs(model)
     toys = [{**r, "eager_ms": "", "replay_ms": ""} for r in toy_scenarios()]
-    return toys + decode_rows(logs)
+    return [{**r, "cpu": cpu_line()} for r in toys + decode_rows(logs)]
 
 
 def step_times(model: Llama, repeats: int = 30) -> tuple[list[float], list[float]]:
-    """Seconds per call of eager forward and of HostGraph replay on one bucketed decode plan,
-    interleaved (both rewrite the same K/V slots with the same values)."""
+    """Seconds per call of eager forward and of HostGraph replay on one decode plan, interleaved
+    (both rewrite the same K/V slots with the same values)."""
     eng = tiny_engine(model)
     plan = first_decode_plan(eng)
     eager, replay = [], []
@@ -273,25 +263,17 @@ def step_times(model: Llama, repeats: int = 30) -> tuple[list[float], list[float
 # --- bound or frozen, field by field ------------------------------------------------------------
 
 
-def storage_name(t: torch.Tensor, eng: Engine) -> str:
-    """Which long-lived buffer a tensor is a view on, or 'new tensor' when none."""
-    ptr = t.untyped_storage().data_ptr()
-    runner = eng.runner
-    if runner.slot_table is not None and ptr == runner.slot_table.table.untyped_storage().data_ptr():
-        return "SlotTable.table"
-    if runner.inputs is not None:
-        for name in ("input_ids", "positions", "write_slots", "context_lens", "logits_at"):
-            if ptr == getattr(runner.inputs, name).untyped_storage().data_ptr():
-                return f"PersistentInputs.{name}"
-    return "new tensor"
-
-
-def first_decode_plan(eng: Engine):
-    """The plan of the engine's first decode step over PROMPTS (after one prefill step)."""
+def first_decode_batch(eng: Engine):
+    """The batch of the engine's first decode step over PROMPTS (after one prefill step)."""
     for prompt, n in zip(PROMPTS, MAX_TOKENS):
         eng.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     eng.step()  # prefill all three
-    return eng.runner.plan(eng.scheduler.schedule())
+    return eng.scheduler.schedule()
+
+
+def first_decode_plan(eng: Engine):
+    """The plan of the engine's first decode step over PROMPTS."""
+    return eng.runner.plan(first_decode_batch(eng))
 
 
 def describe(value) -> str:
@@ -305,24 +287,24 @@ def describe(value) -> str:
 
 
 def field_table(model: Llama | None = None) -> list[dict]:
-    """One row per StepPlan field: bound or frozen under HostGraph.record, and its storage."""
-    model = model or tiny_model()
-    bucketed, plain = tiny_engine(model), tiny_engine(model, bucketed=False)
-    pb, pp = first_decode_plan(bucketed), first_decode_plan(plain)
-    graph = HostGraph.record(lambda p: None, pb)  # only what record keeps matters here
-    frozen_plan = graph.args[0]
+    """One row per StepPlan field: bound or frozen under HostGraph.record, and where the next
+    step's `plan_decode` puts it (a new tensor, or a Python value the graph copied)."""
+    eng = tiny_engine(model or tiny_model())
+    batch = first_decode_batch(eng)
+    plan, later = eng.runner.plan(batch), eng.runner.plan(batch)  # the same batch planned twice
+    graph = HostGraph.record(lambda p: None, plan)  # only what record keeps matters here
     rows = []
-    for f in dataclasses.fields(pb):
-        kept, now = getattr(frozen_plan, f.name), getattr(pb, f.name)
+    for f in dataclasses.fields(plan):
+        kept, now = getattr(graph.args[0], f.name), getattr(later, f.name)
         bound = any(kept is t for t in graph.bound)  # the caller's tensor itself, not a copy
+        moved = bound and now.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+        where = ("new tensor" if moved else "same storage") if bound else "copied at recording"
         rows.append(
             {
                 "field": f.name,
                 "kind": "bound" if bound else "frozen",
-                "shape": describe(now),
-                "bucketed_persistent": storage_name(now, bucketed) if bound else "copied at recording",
-                "plan_decode": storage_name(getattr(pp, f.name), plain) if bound else "copied at recording",
-                "plan_decode_shape": describe(getattr(pp, f.name)),
+                "shape": describe(kept),
+                "plan_decode": where,
             }
         )
     return rows

@@ -6,7 +6,7 @@ blocks of one pool. Two ways to hand a decode step its (rows, width) slot window
 * gather: `nanoserve.plan.slot_window(block_lists, block_size)`, what `plan_decode` does every
   step: a Python list of block ids per row -> a new (rows, width) int64 tensor. One copy, new
   storage each step.
-* read: `SlotTable.read(rows, width)`, what `plan_decode_bucketed` does: a slice of the
+* read: `SlotTable.read(rows, width)`, what `with_table` hands a decode plan: a slice of the
   [max_batch, max_model_len] table the rows were written into as they grew. No copy; the same
   storage every step. What the table costs instead is one entry written per row per step
   (`SlotTable.extend`) and one row copied when a middle row leaves (`release`).
@@ -14,7 +14,7 @@ blocks of one pool. Two ways to hand a decode step its (rows, width) slot window
 The two windows must hold the same numbers. The CSV's deterministic columns are the sizes and
 the copies; the `*_us` columns are medians of `--repeats` timed calls on this machine (left out
 of the journal's checked columns). Also timed: the whole `plan_decode` against the whole
-`plan_decode_bucketed` with `PersistentInputs`.
+`plan_decode_bucketed` with `PersistentInputs` (the planner of days 52 and 53, timed ahead).
 
     python days/day51/window.py                                   # writes day-51-window.csv
     python days/day51/window.py --rows 1 8 64 256 --widths 512 8192 --repeats 50 --out /tmp/w.csv
@@ -23,6 +23,7 @@ of the journal's checked columns). Also timed: the whole `plan_decode` against t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -30,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_config, tiny_llama, write_csv
+from nanocourse import engine_config, tiny_config, tiny_llama, write_csv
 from nanoserve.buckets import row_buckets, width_buckets
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.inputs import PersistentInputs
 from nanoserve.plan import (
@@ -128,24 +128,48 @@ def window_table(rows=ROWS, widths=WIDTHS, repeats: int = REPEATS) -> list[dict]
 TINY = tiny_config(max_position_embeddings=128)
 
 
-def tiny_engine(bucketed: bool = True, seed: int = 0) -> Engine:
-    """A random-weight Llama behind an engine of 4 rows, blocks of 4, a 64-token context and
-    widths in multiples of 16; bucketed decode reads its windows from the slot table."""
+def tiny_engine(seed: int = 0) -> Engine:
+    """A random-weight Llama behind the engine as of day 51: 4 rows, blocks of 4, a 64-token
+    context; its decode plans come from `plan_decode` until `with_table` gives it a slot table."""
     model = tiny_llama(seed, 0.3, TINY.max_position_embeddings)
     per_block = TINY.kv_bytes_per_token(torch.float32) * 4
-    cfg = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
-        max_batch=4,
-        block_size=4,
-        max_model_len=64,
-        kv_budget=per_block * 64,
-        width_multiple=16,
-        bucket_decode=bucketed,
-        persist_inputs=bucketed,
-    )
+    cfg = engine_config(51, max_batch=4, block_size=4, max_model_len=64, kv_budget=per_block * 64)
     return Engine(model, None, cfg)
+
+
+def sync_rows(table: SlotTable, seqs: list[Sequence]) -> list[Sequence]:
+    """Bring `table` up to a decode batch: rows of sequences no longer decoding are released,
+    new ones assigned, every row extended to its newest position. Returns the batch in row
+    order, which is the table's live prefix."""
+    members = set(seqs)
+    for key in [k for k in table.owner if k not in members]:
+        table.release(key)
+    for seq in seqs:
+        n = len(seq.token_ids)
+        if seq not in table.row_of:
+            table.assign(seq, seq.block_table.slots(0, n))
+        else:
+            have = table.lengths[table.row_of[seq]]
+            table.extend(seq, seq.block_table.slots(have, n))
+    return sorted(seqs, key=table.row_of.__getitem__)
+
+
+def with_table(eng: Engine) -> SlotTable:
+    """Keep a slot table beside `eng` and read each decode plan's window from it: the batch is
+    synced into the table, `plan_decode` plans it in row order, and its gathered window is
+    replaced by `table.read(...)` of the same width, a view on the table."""
+    table = SlotTable(eng.config.max_batch, eng.max_model_len, eng.pool.sink_slot)
+    plan_fn = eng.runner.plan
+
+    def plan(batch):
+        if not batch.is_decode:
+            return plan_fn(batch)
+        seqs = sync_rows(table, batch.decode)
+        p = plan_decode(seqs, eng.config.block_size)
+        return dataclasses.replace(p, slot_window=table.read(tuple(range(len(seqs))), p.slot_window.shape[1]))
+
+    eng.runner.plan = plan
+    return table
 
 
 def requests(n: int = 8, seed: int = 5) -> list[tuple[list[int], int]]:
@@ -156,11 +180,12 @@ def requests(n: int = 8, seed: int = 5) -> list[tuple[list[int], int]]:
     ]
 
 
-def gated_run(eng: Engine, reqs, stagger: int = 2) -> dict:
-    """Run `reqs` (one joining every `stagger` steps), checking the three window gates on every
-    bucketed decode plan and logging every row a release moves. Returns the tokens, the number
-    of plans checked, the moves (key, from row, to row) and each decode step's live rows."""
-    runner, table = eng.runner, eng.runner.slot_table
+def gated_run(eng: Engine, reqs, stagger: int = 2, table: bool = True) -> dict:
+    """Run `reqs` (one joining every `stagger` steps); with `table`, every decode window is read
+    from a slot table (`with_table`), the three window gates run on every decode plan and every
+    row a release moves is logged. Returns the tokens, the number of plans checked, the moves
+    (key, from row, to row) and each decode step's live rows and window shape."""
+    runner, table = eng.runner, with_table(eng) if table else None
     out = {"checked": 0, "moves": [], "live": [], "shapes": []}
     plan_fn, release = runner.plan, table.release if table is not None else None
 

@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_config, tiny_llama, write_csv
+from nanocourse import engine_config, tiny_config, tiny_llama, write_csv
 from nanoserve.capture import HostGraph, check_addresses_stable
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.errors import GateError
 from nanoserve.models import Llama
@@ -57,10 +56,8 @@ def tiny_model(seed: int = 0) -> Llama:
 
 def engine(model, mode: str, max_batch: int = 4, max_model_len: int = 256, **kw) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 16
-    config = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        53,  # the engine as of day 53: prefill-first, gather attention, plain linears, ops step
         max_batch=max_batch,
         max_model_len=max_model_len,
         kv_budget=per_block * (max_batch * max_model_len // 16 + 1),

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_config, tiny_llama, write_csv
-from nanoserve.config import EngineConfig
+from nanocourse import engine_config, tiny_config, tiny_llama, write_csv
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
@@ -39,10 +38,8 @@ def tiny_model(seed: int = 0) -> Llama:
 
 def make_engine(model, capture: bool, rows: int, max_model_len: int, width_multiple: int) -> Engine:
     per_block = model.cfg.kv_bytes_per_token(torch.float32) * 16
-    config = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        54,  # the engine as of day 54: prefill-first, gather attention, plain linears, ops step
         max_batch=rows,
         max_model_len=max_model_len,
         kv_budget=per_block * (rows * max_model_len // 16 + rows + 1),

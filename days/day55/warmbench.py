@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import tiny_config, tiny_llama, write_csv
+from nanocourse import engine_config, tiny_config, tiny_llama, write_csv
 from nanoserve.buckets import row_buckets
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.models import Llama
 from nanoserve.sampling import SamplingParams
@@ -44,10 +43,8 @@ def tiny_model(init: int = 0) -> Llama:
 def run(model, generated: int, warm: bool, prompt_len=16, rows=2, width_multiple=32):
     """(cold captures, warm graphs, warm seconds, tokens) for `rows` requests off one prompt."""
     per_block = TINY.kv_bytes_per_token(torch.float32) * 16
-    config = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        55,  # the engine as of day 55: prefill-first, gather attention, plain linears, ops step
         max_batch=rows,
         max_model_len=max(64, prompt_len + generated),  # never fewer than two width buckets
         kv_budget=per_block * 64,

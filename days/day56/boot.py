@@ -18,9 +18,8 @@ import argparse
 import time
 from pathlib import Path
 
-from nanocourse import write_csv
+from nanocourse import cpu_line, engine_config, write_csv
 from nanoserve.buckets import bucket_up, width_buckets
-from nanoserve.config import EngineConfig
 from nanoserve.engine import build_engine
 from nanoserve.sampling import SamplingParams
 
@@ -44,10 +43,8 @@ def predicted(
 
 def boot_row(model_dir, max_batch: int, warm_width: int | None, tokens: int, max_model_len: int) -> dict:
     """Build (and warm, unless warm_width is None), then run one request; one table row."""
-    config = EngineConfig(
-        schedule="prefill-first",
-        attention="gather",
-        linear="plain",  # the engine as built through day 56
+    config = engine_config(
+        56,  # the engine as of day 56: prefill-first, gather attention, plain linears, ops step
         model=str(model_dir) if model_dir else None,
         max_batch=max_batch,
         max_model_len=max_model_len,
@@ -113,7 +110,7 @@ def main() -> None:
     rows = boot_table(args.model, args.max_batch, [None, *args.widths], args.tokens, args.max_model_len)
     for row in rows:
         print(row)
-    write_csv(rows, args.out)
+    write_csv([row | {"cpu": cpu_line()} for row in rows], args.out)
 
 
 if __name__ == "__main__":

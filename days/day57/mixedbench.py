@@ -30,9 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanocourse import cpu_profile, write_csv
+from nanocourse import cpu_profile, engine_config, write_csv
 from nanoserve.bench import cpu_line
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.generate import greedy_tokens
 from nanoserve.sampling import SamplingParams
@@ -141,13 +140,13 @@ def workload(
 
 
 def engine_for(model, tok, policy: str, budget: int, max_batch=8, max_model_len=1024) -> Engine:
-    cfg = EngineConfig(
+    cfg = engine_config(  # the engine as of day 57: gather attention, plain linears
+        57,
         schedule=policy,
         max_batch=max_batch,
         max_model_len=max_model_len,
         kv_budget="96MiB",
         max_num_batched_tokens=budget,
-        linear="plain",  # the linears as they were on day 57 (day 59 packs them)
     )
     return Engine(model, tok, cfg)
 
@@ -184,6 +183,7 @@ def mixed_table(model, tok, args) -> list[dict]:
                 "gap_max_ms": f"{gaps.max():.1f}",
                 "ttft_ms": f"{np.mean(ttft):.1f}",
                 "tok_s": f"{n_tokens / run.wall_s:.2f}",
+                "cpu": cpu_line(),
             }
         )
         print(rows[-1], flush=True)
@@ -223,6 +223,7 @@ def profile_table(model, tok, rows=16, budget=128, top=6) -> list[dict]:
                     "self_ms": f"{e.self_cpu_time_total / 1000:.1f}",
                     "share_pct": f"{100 * e.self_cpu_time_total / total:.1f}",
                     "step_ms": f"{total / 1000:.1f}",
+                    "cpu": cpu_line(),
                 }
             )
     return out

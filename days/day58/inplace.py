@@ -177,16 +177,15 @@ def prefilled_engine(model, widest: int, steps: int):
     """An engine over `model` holding 16 rows at `ragged_lens(widest)`, prompts all prefilled,
     each request allowed `steps` more decode steps. Prompts are random tokens, no two alike,
     and prefix caching is off, so every row owns its blocks."""
-    from nanoserve.config import EngineConfig
+    from nanocourse import engine_config
     from nanoserve.engine import Engine
     from nanoserve.sampling import SamplingParams
 
     lens = ragged_lens(widest)
     budget = model.cfg.kv_bytes_per_token(torch.float32) * (sum(lens) + ROWS * (steps + 2 * BLOCK))
-    config = EngineConfig(
-        max_batch=ROWS, max_model_len=widest + steps + 1, kv_budget=budget, attention="native",
+    config = engine_config(  # the engine as of day 58 (plain linears), with the kernel asked for
+        58, max_batch=ROWS, max_model_len=widest + steps + 1, kv_budget=budget, attention="native",
         max_num_batched_tokens=2048, enable_prefix_caching=False,
-        linear="plain",  # the linears as they were on day 58 (day 59 packs them)
     )  # fmt: skip
     eng = Engine(model, None, config)
     rng = random.Random(widest)
@@ -202,7 +201,7 @@ def prefilled_engine(model, widest: int, steps: int):
 def switch(eng, kind: str) -> None:
     """Point the engine's cache at one way of reading decode rows. Only decode rows consult it
     (a prompt row's mask memo does too, and every prompt here is done), so a decode step after
-    the switch is the step an engine built with EngineConfig(attention=kind) would take."""
+    the switch is the step an engine built with engine_config(58, attention=kind) would take."""
     eng.cache.attention = kind
 
 

@@ -384,7 +384,7 @@ def attention_table(contexts=(64, 256, 1024), reps: int = 30, portable=None) -> 
 def prefilled_engines(models: dict, lens, steps: int, tok=None, seed: int = 0) -> dict:
     """One engine per model ({"plain": model, "packed": twin}), each holding 16 rows at `lens`
     with the same random prompts, prefilled; prefix caching off so no row shares a block."""
-    from nanoserve.config import EngineConfig
+    from nanocourse import engine_config
     from nanoserve.engine import Engine
     from nanoserve.sampling import SamplingParams
 
@@ -394,8 +394,8 @@ def prefilled_engines(models: dict, lens, steps: int, tok=None, seed: int = 0) -
     prompts = [[rng.randrange(100, cfg.vocab_size) for _ in range(n - 1)] for n in lens]
     engines = {}
     for kind, model in models.items():
-        config = EngineConfig(
-            max_batch=len(lens), max_model_len=max(lens) + steps + 256, kv_budget=budget, linear=kind,
+        config = engine_config(
+            59, max_batch=len(lens), max_model_len=max(lens) + steps + 256, kv_budget=budget, linear=kind,
             max_num_batched_tokens=2048, enable_prefix_caching=False,
         )  # fmt: skip
         eng = Engine(model, tok, config)

@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanocourse import write_csv
+from nanocourse import engine_config, write_csv
 from nanoserve.bench import cpu_line, read_bandwidth_gbs
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes
 from nanoserve.sampling import SamplingParams
@@ -77,8 +76,8 @@ def load(weights: str):
 
 def decoding_engine(model, tok, step: str, rows: int, max_tokens: int = 200) -> Engine:
     """An engine whose `rows` requests are past their prompts: its next step() is a decode step."""
-    config = EngineConfig(
-        max_batch=rows, decode_step=step, linear="plain", max_model_len=256, kv_budget=rows * 2**24
+    config = engine_config(
+        61, max_batch=rows, decode_step=step, linear="plain", max_model_len=256, kv_budget=rows * 2**24
     )
     eng = Engine(model, tok, config)
     for i in range(rows):

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import write_csv
+from nanocourse import engine_config, write_csv
 from nanoserve.bench import cpu_line, tp_generate
-from nanoserve.config import EngineConfig
 from nanoserve.engine import build_engine
 from nanoserve.models import model_weight_bytes
 from nanoserve.tp import pool_bytes
@@ -38,7 +37,7 @@ PROMPT = "What is the capital of France?"
 
 def one_process_share() -> dict:
     """Weights and KV pool of the engine `generate` builds in one process (max_batch 1, 1 thread)."""
-    engine = build_engine(EngineConfig(max_batch=1, threads=1))
+    engine = build_engine(engine_config(62, max_batch=1, threads=1))
     slots = engine.pool.num_slots
     return {
         "weight_mb": round(model_weight_bytes(engine.model) / 1e6, 1),
