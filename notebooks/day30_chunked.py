@@ -332,21 +332,22 @@ assert all(r["same_as_eager"] == r["requests"] for r in smol_rows)
 
 # %% [markdown]
 # The step columns repeat the tiny model's pattern: a stream waits the number of chunks plus
-# one. The milliseconds say it more sharply. The streams' longest gap is the whole prompt's
-# prefill plus a decode step, and it grew as the chunks shrank: 2133.6 ms at 512, where the
-# prompt takes one step, 2908.6 at 128, 4032.2 at 64 and 4484.1 at 32. Each chunk is a step,
-# and each step pays a fixed cost (the weights read once, the Python around the model), so eight
-# chunks of 32 pay it eight times. The long prompt's own first token follows the same way:
-# 1892.5 ms at 512 against 4199.1 ms at 32. On this engine chunking alone does nothing for the
-# streams and costs the newcomer; what it buys is a bound on the step, which never carries more
-# than the budget, so no step needs activations for more tokens than that. Chunks start paying
-# the streams back only when a step can carry their decode rows beside a chunk: the mixed step
-# of day 57.
+# one. The milliseconds say the same. The streams' longest gap is the whole prompt's prefill
+# plus a decode step, and it grew as the chunks shrank: 658.5 ms at 512, where the prompt takes
+# one step, 696.5 at 128, 807.2 at 64 and 950.8 at 32. Each chunk is a step, and each step pays
+# a fixed cost (the weights read once, the Python around the model). In the trace at a budget
+# of 32, a decode step of four rows takes 55.0 to 59.5 ms and each of the long prompt's chunks
+# of 32 tokens 106.9 to 115.7 ms, while the whole 256-token prompt in one step, at 512, takes
+# 594.1 ms: eight chunks cost more than the one step. The long prompt's own first token
+# follows the same way: 594.1 ms at 512 against 881.0 ms at 32. On this engine chunking alone
+# does nothing for the streams and costs the newcomer; what it buys is a bound on the step,
+# which never carries more than the budget, so no step needs activations for more tokens than
+# that. Chunks start paying the streams back only when a step can carry their decode rows
+# beside a chunk: the mixed step of day 57.
 #
-# The machine was shared with other jobs while the script ran; each step's time is the fastest
-# of two runs, which removes bursts but not a steady load. The median gaps (209.9 to 333.4 ms,
-# all decode steps of four rows) show the size of that noise; the longest gap at a budget of 32
-# is about twice the one at 512, well beyond it.
+# The machine was quiet while the script ran; each step's time is the fastest of two runs. The
+# streams' median gap, one decode step, stayed between 62.2 and 64.7 ms at all four budgets, so
+# the spread in the longest gap, 658.5 to 950.8 ms, is the schedule's and not the machine's.
 #
 # ## 6. A boundary off by one
 #
@@ -474,7 +475,7 @@ ax.set_xticks(b, [str(v) for v in b])
 ax.set_xlabel("max_num_batched_tokens")
 ax.set_ylabel("ms")
 ax.set_ylim(0, None)
-ax.set_title("SmolLM2: 4 streams and a 256-token prompt (shared 2-core CPU, 1 thread)", fontsize=10)
+ax.set_title("SmolLM2: 4 streams and a 256-token prompt (2-core CPU, 1 thread)", fontsize=10)
 ax.legend(fontsize=8)
 fig.suptitle("Day 30: a long prompt in chunks, and what the other streams wait", fontsize=13)
 out = diagram_path("day30-chunked.png")

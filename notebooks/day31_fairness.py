@@ -296,17 +296,17 @@ for order in ("long first", "long last"):
 # %% [markdown]
 # The steps come out as on the tiny model, scaled: with the 192-token prompt first its three
 # chunks of 64 fill steps 0 to 2 and the short prompts go in from step 3, and `s3` waits for a
-# row 9 and 13 steps to its first token under the two policies, 20900.5 and 26047.3 ms. Behind
-# the long prompt the short requests' first tokens took 13560.6 to 26047.3 ms; in front of it,
-# 2631.6 to 7077.7 ms. The long prompt's own first token took 9542.4 to 12307.5 ms when it was
-# first and 20204.4 to 20400.7 ms when it was last.
+# row 9 and 13 steps to its first token under the two policies, 1077.4 and 1415.6 ms. Behind
+# the long prompt the short requests' first tokens took 710.2 to 1415.6 ms; in front of it,
+# 185.2 to 446.3 ms. The long prompt's own first token took 530.2 to 530.5 ms when it was
+# first and 1261.0 to 1383.8 ms when it was last.
 #
-# These milliseconds carry the noise of a shared machine: many other jobs held its 2 cores
-# while the script ran, and each step is only the faster of two runs. The long prompt's first
-# token when it was first shows how much: the same 3 steps took 12307.5 ms under prefill-first
-# and 9542.4 ms under static. What the steps say holds in the milliseconds too: the order of the
-# queue decides who waits, by seconds, and static batching adds the longest wait of all to the
-# request that misses the batch.
+# The machine was quiet while the script ran, and where the two policies ran the same steps
+# they took nearly the same time: the long prompt's 3 steps 530.2 ms under prefill-first and
+# 530.5 ms under static, `s0`'s 4 steps 710.2 and 712.6 ms. So the milliseconds measure the
+# schedule, and they say what the steps say: the order of the queue decides who waits, by
+# hundreds of milliseconds on this small model, and static batching gives the longest wait of
+# all, 1415.6 ms, to the request that misses the batch.
 
 # %% [markdown]
 # ## 6. The diagram
@@ -349,7 +349,7 @@ for order, style in (("long first", "-"), ("long last", "--")):
         ax.plot(names, [float(got[r]["first_token_ms"]) for r in names], style, marker="o",
                 color=colors[policy], label=f"{order}, {policy}")  # fmt: skip
 ax.set_ylabel("ms from arrival to the first token")
-ax.set_title("SmolLM2: a 192-token prompt and four chat questions (shared 2-core CPU)", fontsize=10)
+ax.set_title("SmolLM2: a 192-token prompt and four chat questions (one CPU thread)", fontsize=10)
 ax.legend(fontsize=7, ncol=2)
 fig.suptitle("Day 31: who waits under first come, first served, and who starves without it", fontsize=13)
 out = diagram_path("day31-fairness.png")
