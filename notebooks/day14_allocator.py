@@ -398,7 +398,7 @@ assert set(b.blocks) & set(c.blocks) == {1, 2}
 # sits free, wherever it is in the list. A Python list does the first by shifting every element
 # and the third by searching. An `OrderedDict` does all three in constant time.
 # `day.freelist_times` times each operation on free lists of increasing size, both ways. A live
-# run first, at two sizes (this run's times, on a shared machine):
+# run first, at two sizes (this run's own times, which will differ from the committed ones):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -421,10 +421,11 @@ for n in day.SIZES:
     print(f"{n:>7} blocks: taking a block from the middle is {ratio:,.0f}x slower on a list")
 
 # %% [markdown]
-# In that run, on a machine shared with other jobs, taking a block out of the middle of a list
-# cost 3.022 µs at 1,000 blocks and 2,271.962 µs at 100,000, while the ordered dict took
-# 0.068 to 0.243 µs at every size. Taking the front of a list grows with its length too, from
-# 0.128 to 7.073 µs. Appending is the one thing a list does faster (0.025 against 0.052 µs at
+# In that run, made on a quiet machine, taking a block out of the middle of a list cost
+# 3.505 µs at 1,000 blocks, 34.448 µs at 10,000 and 344.321 µs at 100,000: about ten times
+# more for every ten times more blocks, the price of searching the list. The ordered dict took
+# 0.067 to 0.16 µs at every size. Taking the front of a list grows with its length too, from
+# 0.123 to 6.206 µs. Appending is the one thing a list does faster (0.024 against 0.049 µs at
 # 1,000 blocks). A CPU pool of a few hundred blocks would not notice the difference, but a GPU
 # pool has tens of thousands of blocks, and from Day 19 on a step may claim many cached blocks.
 #
@@ -545,4 +546,4 @@ display(Image(filename=png))
 #    committed CSVs stay as they are). In `/tmp/f.csv` the list's `take_middle_us` must grow
 #    with the blocks, by tens of times from 10,000 to 1,000,000, since each removal searches
 #    the list; the ordered dict's must stay flat, under a microsecond at every size, as it does
-#    in the committed CSV (0.068 to 0.243 µs).
+#    in the committed CSV (0.067 to 0.16 µs).

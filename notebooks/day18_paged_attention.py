@@ -414,16 +414,13 @@ show(times, [c for c in times[0] if c != "cpu"])
 # %% [markdown]
 # The in-place loop is slow here, and that is expected: every block costs a dozen small torch
 # calls, each paying Python's and the dispatcher's overhead, and a row of 4,096 tokens walks
-# 256 blocks. Up to C = 1,024 it took 2.43 to 6.72 times the gather's time in both mixes. At
-# C = 4,096 the gather's own times ran far past its bytes, 67,122.9 us for the spread mix
-# against the contiguous caches' 1,791.4 us: every call copies megabytes into freshly allocated
-# memory, and on this shared machine that allocation, not the arithmetic, set the gather's
-# time, so the loop came out at 1.30 and 0.48 of it there. In another run of the script those
-# two gather times were several times smaller and the loop was the slowest at every context;
-# read the last row of each mix as noise. What does hold is the bytes. The contiguous caches
-# read the same bytes as the loop, in one compiled SDPA call per row, and took 0.02 to 0.99 of
-# the gather's time. The loop's point is the copy it does not make; a compiled loop is what
-# turns that into time.
+# 256 blocks. This run was made on a quiet machine. Up to C = 1,024 the loop took 3.95 to 7.82
+# times the gather's time in both mixes, and 3.57 times at C = 4,096 with lengths spread. The
+# one place it wins is one long row at C = 4,096: there the gather pads three rows of 16 to
+# 4,096 and took 15,395.7 us against the loop's 8,690.5 us, so the loop came out at 0.56 of
+# it. The contiguous caches read the same bytes as the loop, in one compiled SDPA call per row,
+# and took 0.05 to 1.00 of the gather's time. The loop's point is the copy it does not make; a
+# compiled loop is what turns that into time.
 #
 # ## 8. The diagram
 

@@ -341,11 +341,11 @@ for r in runs:
 # tight pool of 12 blocks (192 tokens, one whole context) has room for two of the eight at their
 # full length: 3 preemptions, 161 tokens thrown away and 164 computed on
 # readmission, and 103 steps where the roomy pool needed 36. All eight requests' 32 tokens equal
-# the roomy pool's, with no near-tie to excuse. In time, one run each on one thread of a machine
-# other jobs were loading heavily, the tight run took 94.5 s against 6.7 s; most of that ratio is
-# the load, which rose between the two runs. What the pool itself decides is the steps, 103
-# against 36, each one reading all the weights for a few rows instead of eight; beside them the
-# 164 recomputed tokens are a small part.
+# the roomy pool's, with no near-tie to excuse. In time, one run each on one thread of a quiet
+# machine, the tight run took 8.3 s against 3.3 s. The steps explain that gap, 103 against 36,
+# each one reading all the weights for a few rows instead of eight; the tight run's steps are
+# cheaper one by one, since they carry fewer rows, so its time grew less than its step count.
+# Beside the steps, the 164 recomputed tokens are a small part.
 #
 # ## 6. A preemption that forgets the generated tokens
 #

@@ -274,7 +274,7 @@ else:
 
 # %% [markdown]
 # The same 16 requests, sent open-loop to a fresh `max_batch` 8 server at two rates: 8 a second,
-# below what it sustains (eight closed-loop clients got 18.38 a second out of it in the script's
+# below what it sustains (eight closed-loop clients got 99.8 a second out of it in the script's
 # run, section 6), and 256 a second, which hands it all 16 in well under a tenth of a second.
 # Goodput counts the requests that came back whole and met a service-level objective;
 # DistServe's definition, which vLLM's benchmark takes as `--goodput ttft:X tpot:Y`. The
@@ -320,7 +320,7 @@ for rate, rep in opened.items():
 # `max_batch` 1 one (`day-43-load.csv`); then 48 other requests open-loop at 4, 16, 64 and 256 a
 # second against the `max_batch` 8 server, with the goodput under the objective above
 # (`day-43-open.csv`). The deterministic columns must equal this notebook's runs; the timings
-# are that run's clock, on a shared 2-core machine.
+# are that run's clock, taken on a 2-core machine with nothing else busy on it.
 
 # %%
 with open(DAY / "day-43-load.csv") as f:
