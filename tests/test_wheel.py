@@ -62,7 +62,8 @@ def test_a_wheel_installed_elsewhere_runs_the_native_kernels(tmp_path):
 
     # the sdist, from a copy of what it is built from (the build writes egg-info next to it)
     src = tmp_path / "src"
-    shutil.copytree(REPO / "nanoserve", src / "nanoserve", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("nanoserve", "nanocourse"):  # every package pyproject.toml lists
+        shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / f, src / f)
     code = "from setuptools import build_meta as b; print(b.build_sdist('dist'))"
