@@ -62,7 +62,7 @@ class ModelRunner:
         if self.window_blocks is not None:  # the sliding layers' blocks for this step's rows
             self.window_blocks.prepare(batch.as_chunks())
         if batch.is_decode and self.slot_table is not None:
-            seqs = self._sync_rows(batch.decode)
+            seqs = self.slot_table.sync(batch.decode)
             return plan_decode_bucketed(seqs, self.slot_table, self.buckets, self.inputs, device)
         if batch.is_decode:
             return plan_decode(batch.decode, self.block_size, device)
@@ -73,22 +73,6 @@ class ModelRunner:
         plan.num_decode = len(batch.decode)
         plan.decode_width = max((len(s.token_ids) + len(s.draft) for s in batch.decode), default=0)
         return plan
-
-    def _sync_rows(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Bring the slot table up to this decode batch: rows of sequences no longer decoding are
-        released, new ones assigned, every row extended to its newest position. Returns the
-        batch in row order, which is the table's live prefix."""
-        table, members = self.slot_table, set(seqs)
-        for key in [k for k in table.owner if k not in members]:
-            table.release(key)
-        for seq in seqs:
-            n = len(seq.token_ids)
-            if seq not in table.row_of:
-                table.assign(seq, seq.block_table.slots(0, n))
-            else:
-                have = table.lengths[table.row_of[seq]]
-                table.extend(seq, seq.block_table.slots(have, n))
-        return sorted(seqs, key=table.row_of.__getitem__)
 
     def release(self, seq: Sequence) -> None:
         """seq left the running set (finished, aborted or preempted): free its slot-table row

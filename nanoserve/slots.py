@@ -84,6 +84,23 @@ class SlotTable:
         self.lengths.pop()
         return moved
 
+    def sync(self, seqs: list) -> list:
+        """Bring the table up to a decode batch of sequences (each with `token_ids` and a
+        `block_table`): rows of sequences not in it are released, new ones assigned, every row
+        extended to its newest position. Returns the batch in row order, the table's live
+        prefix (the runner's decode path and day 51's script both call this)."""
+        members = set(seqs)
+        for key in [k for k in self.owner if k not in members]:
+            self.release(key)
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if seq not in self.row_of:
+                self.assign(seq, seq.block_table.slots(0, n))
+            else:
+                have = self.lengths[self.row_of[seq]]
+                self.extend(seq, seq.block_table.slots(have, n))
+        return sorted(seqs, key=self.row_of.__getitem__)
+
     def read(self, rows: tuple[int, ...], width: int, pad_rows: int = 0) -> torch.Tensor:
         """The window `table[:len(rows) + pad_rows, :width]`, a view on the table's storage.
 

@@ -134,7 +134,7 @@ assert w.data_ptr() == table.address and w[1, 2].item() == 22 and copy[1, 2].ite
 #
 # When a sequence leaves from the middle, the window `table[:n]` would include its dead row. So
 # `release` moves the *last* live row into the hole (one row copy, in place) and says who moved
-# where; the runner's `_sync_rows` then sorts the batch by row, so a plan's rows are the table's
+# where; `SlotTable.sync` then sorts the batch by row, so a plan's rows are the table's
 # live prefix in order.
 
 # %%
@@ -212,7 +212,7 @@ assert old_window.data_ptr() == recorded and replayed[0, 3].item() == 99
 #
 # A tiny random Llama behind the engine as it stands today (4 rows, blocks of 4 tokens, a
 # 64-token context), with a slot table kept beside it by `window.with_table`: each decode batch
-# is synced into the table (`window.sync_rows`: release, assign, extend), planned by
+# is synced into the table (`SlotTable.sync`: release, assign, extend), planned by
 # `plan_decode` in row order, and handed the window `table.read(...)` instead of the gathered
 # one. (From Day 52 the engine's runner keeps the table itself.) Three prompts are prefilled;
 # then three gates of `nanoserve.plan` on the next decode plan:

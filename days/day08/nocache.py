@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanocourse import write_csv
+from nanocourse import best_of, write_csv
 from nanoserve.contiguous import ContiguousKVCache, NoCache, causal_attention
 from nanoserve.generate import greedy_tokens
 from nanoserve.models import Llama, load_model
@@ -146,12 +146,7 @@ def step_flops(model: Llama, length: int, cached: bool) -> int:
 
 def _fastest(fn, repeats: int) -> float:
     fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_of(fn, repeats)
 
 
 def step_rows(model: Llama, lengths=LENGTHS, repeats: int = REPEATS, seed: int = 0) -> list[dict]:

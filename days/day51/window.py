@@ -110,7 +110,7 @@ def window_cost(rows: int, width: int, repeats: int = REPEATS, block_size: int =
         "same_numbers": "yes",
         "gather_us": round(median_us(lambda: slot_window(block_lists, block_size, "cpu"), repeats), 1),
         "read_us": round(median_us(lambda: table.read(live, width), repeats), 1),
-        # what the table costs instead: each row's newest slot written once per step (_sync_rows)
+        # what the table costs instead: each row's newest slot written once per step (SlotTable.sync)
         "extend_us": round(median_us(lambda: [table.extend(s, [table.sink_slot]) for s in seqs], repeats), 1),
         "plan_decode_us": round(median_us(lambda: plan_decode(seqs, block_size), repeats), 1),
         "plan_bucketed_us": round(
@@ -137,23 +137,6 @@ def tiny_engine(seed: int = 0) -> Engine:
     return Engine(model, None, cfg)
 
 
-def sync_rows(table: SlotTable, seqs: list[Sequence]) -> list[Sequence]:
-    """Bring `table` up to a decode batch: rows of sequences no longer decoding are released,
-    new ones assigned, every row extended to its newest position. Returns the batch in row
-    order, which is the table's live prefix."""
-    members = set(seqs)
-    for key in [k for k in table.owner if k not in members]:
-        table.release(key)
-    for seq in seqs:
-        n = len(seq.token_ids)
-        if seq not in table.row_of:
-            table.assign(seq, seq.block_table.slots(0, n))
-        else:
-            have = table.lengths[table.row_of[seq]]
-            table.extend(seq, seq.block_table.slots(have, n))
-    return sorted(seqs, key=table.row_of.__getitem__)
-
-
 def with_table(eng: Engine) -> SlotTable:
     """Keep a slot table beside `eng` and read each decode plan's window from it: the batch is
     synced into the table, `plan_decode` plans it in row order, and its gathered window is
@@ -164,7 +147,7 @@ def with_table(eng: Engine) -> SlotTable:
     def plan(batch):
         if not batch.is_decode:
             return plan_fn(batch)
-        seqs = sync_rows(table, batch.decode)
+        seqs = table.sync(batch.decode)
         p = plan_decode(seqs, eng.config.block_size)
         return dataclasses.replace(p, slot_window=table.read(tuple(range(len(seqs))), p.slot_window.shape[1]))
 
