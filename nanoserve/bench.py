@@ -48,10 +48,14 @@ import torch
 from nanoserve.errors import NanoserveError
 
 
-def write_csv(rows: list[dict], path: str | Path) -> Path:
+def write_csv(rows: list[dict], path: str | Path, cpu: bool = False) -> Path:
     """Rows to CSV; the columns are every key in order of first appearance (a row without one
-    leaves it empty)."""
+    leaves it empty). `cpu=True` adds a last column, `cpu`, with `cpu_line()` on every row: a
+    table of timings says which machine (and how many threads) measured it."""
     path = Path(path)
+    if cpu:
+        line = cpu_line()
+        rows = [{**r, "cpu": line} for r in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
@@ -480,7 +484,7 @@ def cmd_admission(args) -> None:
             f"{r['tok_s']:6.1f} tok/s ({r['seconds']} s) over {r['kv_blocks']} blocks"
         )
     if args.csv:
-        write_csv(rows, args.csv)
+        write_csv(rows, args.csv, cpu=True)
     old, new = rows
     print(
         f"RESULT admission preemptions={old['preemptions']}->{new['preemptions']} "
@@ -492,7 +496,7 @@ def cmd_admission(args) -> None:
 def finish(bench: str, rows: list[dict], csv_path: str | None) -> None:
     """Write the rows when asked, and end with the one machine-readable line."""
     if csv_path:
-        write_csv(rows, csv_path)
+        write_csv(rows, csv_path, cpu=True)
     ratios = " ".join(
         f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x" for r in rows
     )
@@ -588,7 +592,7 @@ def cmd_decode(args) -> None:
             f"vs the fp32 model {row['vs_fp32_reference']}"
         )
     if args.csv:
-        write_csv(rows + quant_rows, args.csv)
+        write_csv(rows + quant_rows, args.csv, cpu=True)
     ratios = " ".join(
         f"{r['dtype']}={r['nanoserve_tok_s']}/{r['transformers_tok_s']}={r['ratio']}x"
         + (
@@ -707,8 +711,8 @@ def cmd_serve(args) -> None:
             f"stall {row['stall_ms']} ms (worst gap {row['itl_max_ms']} ms)"
         )
     if args.csv:
-        write_csv(rows, args.csv)
-        write_csv(stalls, Path(args.csv).with_name(Path(args.csv).stem + "-warm.csv"))
+        write_csv(rows, args.csv, cpu=True)
+        write_csv(stalls, Path(args.csv).with_name(Path(args.csv).stem + "-warm.csv"), cpu=True)
     print(
         f"RESULT serve captured={rows[0]['output_tok_s']}/eager={rows[1]['output_tok_s']} "
         f"incomplete={rows[0]['incomplete'] + rows[1]['incomplete']} "
@@ -804,7 +808,7 @@ def cmd_peers(args) -> None:
         raise SystemExit("nothing to measure: give --url, --nanoserve or --llama-server")
     print_serve_table(rows)
     if args.csv:
-        write_csv([r | {"seed": seed} for r in rows], args.csv)
+        write_csv([r | {"seed": seed} for r in rows], args.csv, cpu=True)
 
 
 TP_SHARE = re.compile(
@@ -903,7 +907,7 @@ def cmd_tp(args) -> None:
             f"{'equal' if got == text else 'differs'}"
         )
     if args.csv:
-        write_csv(rows, args.csv)
+        write_csv(rows, args.csv, cpu=True)
     print(
         "RESULT tp "
         + " ".join(f"{r['ranks']}r{r['rank']}:w={r['weight_mb']}MB,kv={r['kv_pool_mb']}MB" for r in rows)
@@ -1341,7 +1345,7 @@ def cmd_grammar(args) -> None:
     engine = build_engine(config)
     result = bench_grammar(engine, args.rows, args.tokens, args.repeats, args.mask_steps)
     if args.csv:
-        write_csv(result["figures"], args.csv)
+        write_csv(result["figures"], args.csv, cpu=True)
     s = result["summary"]
     print(
         f"RESULT grammar rows={args.rows} fill_us={s['fill_us']} ({s['fill_us_row']}/row) "
@@ -1417,7 +1421,7 @@ def cmd_speculative(args) -> None:
                   f"({c['step_ms'] / base['step_ms']:.2f}x the step without)")  # fmt: skip
         if args.csv:
             path = Path(args.csv).with_name(Path(args.csv).stem + "-costs.csv")
-            write_csv([c | {"cpu": cpu_line()} for c in costs], path)
+            write_csv(costs, path, cpu=True)
     model_args = ["--model", args.model, "--max-batch", str(max(args.clients))]
     servers = [
         ("nanoserve", model_args, None),
@@ -1491,8 +1495,7 @@ def cmd_speculative(args) -> None:
                 )
             print(line)
     if args.csv:
-        cpu = cpu_line()
-        write_csv([r | {"cpu": cpu} for r in rows], args.csv)
+        write_csv(rows, args.csv, cpu=True)
 
 
 def main(argv: list[str] | None = None) -> int:

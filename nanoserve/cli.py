@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from nanoserve.config import SCHEDULING_POLICIES
 from nanoserve.errors import NanoserveError
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -253,7 +254,7 @@ def build_parser() -> Parser:
     )
     p.add_argument(
         "--scheduling-policy",
-        choices=["fcfs", "priority"],
+        choices=list(SCHEDULING_POLICIES),
         default="fcfs",
         help="fcfs: requests are served in arrival order; priority: by each request's `priority` "
         "field (lower first), then arrival; the sequence preempted when the KV pool runs short "

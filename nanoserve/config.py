@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the orders requests can be served in (vLLM's --scheduling-policy; Scheduler.ORDERS, the CLI's
+# choices): "fcfs" as they arrive, "priority" by each request's `priority`, then arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 # What `nanoserve serve`/`chat`/`generate` give quantized weights when --quant-activations is not
 # given (cli.resolve_weights): int8, since `make lmeval` scores the default model served so
 # within the standard errors of its fp32 conversion's (evals/check.py, README "The default path").
@@ -104,8 +108,11 @@ class EngineConfig:
         for name in ("max_batch", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
+            )
         if self.persist_inputs and not self.bucket_decode:
             raise ValueError("persist_inputs needs bucket_decode: persistent buffers hold a bucketed batch")
         if self.capture_decode and not self.persist_inputs:

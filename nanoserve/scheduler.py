@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.blocks import BlockAllocator, BlockTable, NoFreeBlocks
+from nanoserve.config import SCHEDULING_POLICIES
 from nanoserve.sampling import SamplingParams
 
 
@@ -145,7 +146,7 @@ class Batch:
 
 class Scheduler:
     POLICIES = ("budget", "prefill-first", "static")
-    ORDERS = ("fcfs", "priority")
+    ORDERS = SCHEDULING_POLICIES
 
     def __init__(
         self,
