@@ -664,7 +664,11 @@ def cmd_serve(args) -> None:
 
     from nanoserve.loadgen import LoadRequest, chat_workload, run_load, stall_seconds_observed, summarize
 
-    common = ["--max-batch", str(args.max_batch)] + (["--model", args.model] if args.model else [])
+    # --weights dtype by default: capture and the warm list run on the converted model, and a CPU
+    # server otherwise serves the GGUF's own blocks, which decode eagerly (cli.decode_capture), so
+    # both rows would be the same eager server
+    common = ["--max-batch", str(args.max_batch), "--weights", args.weights]
+    common += ["--model", args.model] if args.model else []
     reqs = chat_workload(args.requests, args.max_tokens)
     print(cpu_line())
     print(
@@ -676,6 +680,7 @@ def cmd_serve(args) -> None:
         with ServerProcess(common + flags, _free_port(), args.threads) as srv:
             asyncio.run(run_load(srv.url, reqs[: args.clients], args.clients))  # one round to settle
             row = {"server": name} | summarize(asyncio.run(run_load(srv.url, reqs, args.clients)))
+            row["warm_graphs"] = (srv.health.get("warm") or {}).get("graphs", 0)  # 0: nothing captured
         rows.append(row)
         print(
             f"{name:>14}: {row['output_tok_s']:6.1f} tok/s  {row['req_s']:.2f} req/s  "
@@ -1542,6 +1547,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--long", type=int, default=512, help="tokens of the warm-vs-lazy long generation")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--weights",
+        default="dtype",
+        help="the servers' --weights (default dtype: the converted model, where capture runs)",
+    )
     p.add_argument("--csv", default=None, help="write the load rows here and the warm rows next to it")
     # with --url, --nanoserve or --llama-server: the token workload against those servers instead
     p.add_argument("--url", action="append", help="[NAME=]URL of a server already running (repeatable)")

@@ -56,7 +56,7 @@ import nocache  # the day's script: the notebook calls the functions that write 
 
 # One thread here: on a 2-core machine that is also running other work, a second thread spends
 # much of its time waiting for the first, and this notebook runs many short forwards. The
-# script's CSVs were measured with torch's default, 2 threads on that machine.
+# script's CSVs were measured with torch's default, 2 threads, as their cpu column says.
 torch.set_num_threads(1)
 MODEL_DIR = fetch_default_model()
 tok = Tokenizer.from_dir(MODEL_DIR)
@@ -220,9 +220,11 @@ for r in quick:
 # %%
 with open(nocache.HERE / "day-08-steps.csv") as f:
     steps = list(csv.DictReader(f))
-print(" | ".join(steps[0]))
+shown = [c for c in steps[0] if c != "cpu"]  # the cpu column is the same on every row: printed once
+print(" | ".join(shown))
 for r in steps:
-    print(" | ".join(r.values()))
+    print(" | ".join(r[c] for c in shown))
+print("measured on", steps[0]["cpu"])
 for r in steps:
     L = int(r["length"])
     assert r["gflop_nocache"] == f"{nocache.step_flops(model, L, cached=False) / 1e9:.2f}"
@@ -233,14 +235,25 @@ t_cached = np.array([float(r["cached_ms"]) for r in steps]) / 1e3
 t_attn = np.array([float(r["attention_ms"]) for r in steps]) / 1e3
 a, b, c = nocache.fit_quadratic(lengths, t_nocache)
 aa, ba, ca = nocache.fit_quadratic(lengths, t_attn)
-print(f"fit, whole step:     t(L) = {1e3 * a:.1f} ms + {1e6 * b:.1f} us x L + {1e9 * c:.1f} ns x L^2")
-print(f"fit, attention only: t(L) = {1e3 * aa:.1f} ms + {1e6 * ba:.1f} us x L + {1e9 * ca:.1f} ns x L^2")
+
+
+def poly(a, b, c, digits=1, x=" x "):
+    """a + b L + c L^2 (seconds) as text in ms, us and ns, each term with its own sign."""
+    terms = (f"{abs(1e6 * b):.{digits}f} us{x}L", f"{abs(1e9 * c):.{digits}f} ns{x}L^2")
+    return f"{1e3 * a:.1f} ms" + "".join(f" {'-' if v < 0 else '+'} {t}" for v, t in zip((b, c), terms))
+
+
+print(f"fit, whole step:     t(L) = {poly(a, b, c)}")
+print(f"fit, attention only: t(L) = {poly(aa, ba, ca)}")
 print(
     f"no cache, L={lengths[0]} -> {lengths[-1]}: {1e3 * t_nocache[0]:.0f} ms -> {1e3 * t_nocache[-1]:.0f} ms"
 )
 print(f"cached step over the same range: {1e3 * t_cached.min():.0f} ms to {1e3 * t_cached.max():.0f} ms")
 print(f"attention alone at L={lengths[-1]}: {1e3 * t_attn[-1]:.0f} ms of {1e3 * t_nocache[-1]:.0f} ms")
 L_max = lengths.max()
+fitted = lambda L: a + b * L + c * L**2  # noqa: E731
+print(f"the whole-step fit at L={L_max}: {1e3 * fitted(L_max):.0f} ms, of which the L^2 term", end=" ")
+print(f"{1e3 * c * L_max**2:.0f} ms and the linear term {1e3 * b * L_max:.0f} ms")
 gf = np.array([float(r["gflop_nocache"]) for r in steps])
 parts = nocache.step_flop_parts(model, int(L_max), cached=False)
 attn_share = parts["attention"] / sum(parts.values())
@@ -250,7 +263,6 @@ rate_nc = gf / t_nocache
 rate_c = np.array([float(r["gflop_cached"]) for r in steps]) / t_cached
 print(f"GFLOP/s achieved: no cache {rate_nc.min():.0f} to {rate_nc.max():.0f},", end=" ")
 print(f"cached {rate_c.min():.1f} to {rate_c.max():.1f}")
-fitted = lambda L: a + b * L + c * L**2  # noqa: E731
 b_c, a_c = np.polyfit(lengths, t_cached, 1)  # the cached step, as a line
 for n_new in (64, 256):
     steps_at = len(prompt) + np.arange(n_new)  # the sequence length at each step
@@ -260,10 +272,12 @@ for n_new in (64, 256):
     print(f"no cache {total_nc:.0f} s, cached {total_c:.0f} s")
 
 # %% [markdown]
-# Read with the noise in mind (one machine, shared, fastest of three calls). A no-cache step
-# grows about linearly over this range, because most of its work is the weight matmuls, which
-# are linear in L. Attention alone is the part that bends upwards, and on this CPU it is slower
-# per FLOP than the matmuls: a larger share of the step's time than of its FLOPs. The cached step
+# Read with the noise in mind (each time is the fastest of three calls). A no-cache step grows
+# mostly linearly over this range, because most of its work is the weight matmuls, which are
+# linear in L; the fit's squared term is 155 ms of the 701 ms it gives at 512 tokens, against
+# 513 ms for the linear term. Attention alone is the part that bends upwards, and on this CPU
+# (the `measured on` line) it is slower per FLOP than the matmuls: a larger share of the step's
+# time than of its FLOPs. The cached step
 # barely moves with L: it runs one token, and it is limited by reading the weights, not by
 # arithmetic, which is why it achieves a small fraction of the no-cache step's FLOP rate. So the
 # quadratic cost of generating without a cache comes less from attention than from adding up
@@ -281,13 +295,15 @@ for n_new in (64, 256):
 row = nocache.greedy_rows(model, tok, prompts=nocache.PROMPTS[:1])[0]
 with open(nocache.HERE / "day-08-greedy.csv") as f:
     greedy_table = list(csv.DictReader(f))
-TIMED = {"nocache_s", "cached_s"}
-print(" | ".join(greedy_table[0]))
+RUN = {"nocache_s", "cached_s", "cpu"}  # this run's own: its two times and the CPU that took them
+shown = [c for c in greedy_table[0] if c != "cpu"]
+print(" | ".join(shown))
 for r in greedy_table:
-    print(" | ".join(r.values()))
+    print(" | ".join(r[c] for c in shown))
+print("measured on", greedy_table[0]["cpu"])
 assert row["text"] == tok.decode(answer)
-assert {k: str(v) for k, v in row.items() if k not in TIMED} == {
-    k: v for k, v in greedy_table[0].items() if k not in TIMED
+assert {k: str(v) for k, v in row.items() if k not in RUN} == {
+    k: v for k, v in greedy_table[0].items() if k not in RUN
 }
 assert all(r["vs_cached"] == "identical" for r in greedy_table)
 ratio = sum(int(r["tokens_run_nocache"]) for r in greedy_table) / sum(
@@ -305,10 +321,10 @@ grid = np.linspace(0, L_max, 200)
 ax = axes[0, 0]
 ax.plot(lengths, 1e3 * t_nocache, "o", color="tab:red", label="no cache, measured (day-08-steps.csv)")
 ax.plot(grid, 1e3 * (a + b * grid + c * grid**2), "-", color="tab:red", alpha=0.6,
-        label=f"fit {1e3 * a:.1f} ms + {1e6 * b:.2f} us L + {1e9 * c:.2f} ns L^2")  # fmt: skip
+        label=f"fit {poly(a, b, c, digits=2, x=' ')}")  # fmt: skip
 ax.plot(lengths, 1e3 * t_attn, "d", color="tab:purple", label="no cache, attention alone, measured")
 ax.plot(grid, 1e3 * (aa + ba * grid + ca * grid**2), "-", color="tab:purple", alpha=0.6,
-        label=f"fit {1e3 * aa:.1f} ms + {1e6 * ba:.2f} us L + {1e9 * ca:.2f} ns L^2")  # fmt: skip
+        label=f"fit {poly(aa, ba, ca, digits=2, x=' ')}")  # fmt: skip
 ax.plot(lengths, 1e3 * t_cached, "s-", color="tab:green", label="cached: one token over L positions")
 ax.set_xlabel("sequence length L")
 ax.set_ylabel("one step (ms)")
@@ -389,8 +405,8 @@ display(Image(filename=png))
 #    without a cache as with one). In `/tmp/d8/day-08-steps.csv` the GFLOP columns must equal the
 #    committed ones; the times are your machine's.
 # 3. **Where attention takes over.** From the two fits of section 5, compute the length at which
-#    the attention-alone quadratic term equals the whole step's linear term, `b / ca` (1835.3 us
-#    over 566.9 ns in the committed run). Then, with `nocache.step_flop_parts`, find the length at
+#    the attention-alone quadratic term equals the whole step's linear term, `b / ca` (1001.5 us
+#    over 505.0 ns in the committed run). Then, with `nocache.step_flop_parts`, find the length at
 #    which a no-cache step's attention FLOPs equal its matmul FLOPs (`assert` it is 2 x 3,072 - 1:
 #    causal attention's queries see (L + 1)/2 keys on average, so this is one less than twice
 #    Day 6's 3,072). The ratio of

@@ -335,8 +335,8 @@ assert list(parted.values()) == [6, 1]
 # At each length L, `cachebench.bench` times one step of each loop: the no-cache step is a
 # forward over all L tokens, the cached step a forward over one token that attends over L
 # (the fastest of a few rounds over all the lengths, on random ordinary tokens). The counts next
-# to the times are facts; the times are this run's, on a shared 2-core CPU. The notebook runs
-# two short lengths once; the script five lengths, five rounds.
+# to the times are facts; the times below are this notebook's own run, on whatever machine runs
+# it. The notebook runs two short lengths once; the script five lengths, five rounds.
 
 # %%
 t0 = time.perf_counter()
@@ -360,12 +360,18 @@ for r in rows:
     )
 
 # %% [markdown]
-# The script's full sweep, as committed (`day-11-cachebench.csv`, read back, not recomputed):
+# The script's full sweep, as committed (`day-11-cachebench.csv`, read back, not recomputed). Its
+# `cpu` column, printed once below, names the machine that measured it: a 2-core AVX-512 CPU
+# with bf16 instructions, running 2 threads. There the cached step stays between 18.7 and
+# 20.9 ms at every length, while the step without a cache grows from 89.4 ms at 64 tokens to
+# 1632.1 ms at 1,024: a speed-up of 4.8x at the shortest length and 78.2x at the longest.
 
 # %%
-print(" | ".join(committed[0]))
+shown = [c for c in committed[0] if c != "cpu"]  # the cpu column is the same on every row: printed once
+print(" | ".join(shown))
 for r in committed:
-    print(" | ".join(r.values()))
+    print(" | ".join(r[c] for c in shown))
+print("measured on", committed[0]["cpu"])
 
 # %% [markdown]
 # ## 8. The diagram

@@ -301,13 +301,17 @@ window = read_csv(day.CSV_WINDOW)
 show(window)
 
 # %% [markdown]
-# Block by block was faster at every size in that run, by 4.8x to 68.5x. At 256 rows of 2,048
-# slots, building the window one position at a time took 397.685 ms, against 12.302 ms for the
-# broadcast. The uneven ratios come from the broadcast's own times. At 256 rows of 256 it took
-# 11.299 ms on torch's two threads and 0.462 ms with torch kept to one, and at 64 rows of 2,048
-# it took 15.943 against 1.508. A broadcast that big is split between the two threads, and on a
-# machine shared with other jobs, as this one was, waiting for the second thread cost far more
-# than the work. The one-thread column is the steadier measure of the arithmetic.
+# Block by block was faster at every size in that run, by 11.5x at 16 rows of 256 slots up to
+# 49.3x at 256 rows of 2,048. The run had torch at 2 threads on an AVX-512 CPU, as the CSV's
+# cpu column says. At 256 rows of 2,048 slots, building the window one position at a time took
+# 74.385 ms, against 1.51 ms for the broadcast. The ratio rises with the window, from 11.5x at
+# 4,096 slots to 39.7x at 32,768, and is 48.9x and 49.3x at the two largest. In small windows
+# the broadcast's time is mostly a fixed cost: from 4,096 to 16,384 slots its time went from
+# 0.043 to 0.104 ms, while going position by position went from 0.495 to 2.39 ms. From 131,072
+# to 524,288 slots both grew about as fast as the slots (0.363 to 1.51 ms, 17.756 to 74.385 ms),
+# so the ratio stopped moving. The broadcast took about the same time on one thread as on two at
+# every size, 0.038 ms against 0.043 at the smallest and 1.564 against 1.51 at the largest: at
+# these sizes a second thread does not speed it up.
 #
 # ## 6. The diagram
 
@@ -396,6 +400,7 @@ ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("rows")
 ax.set_ylabel("ms to build the window (best of the run)")
+ax.set_ylim(top=100 * max(float(r["by_position_ms"]) for r in window))  # room above the lines for the legend
 ax.set_title("Building a step's slot window (day-15-window.csv)")
 ax.legend(fontsize=8)
 

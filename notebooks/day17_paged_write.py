@@ -336,10 +336,10 @@ else:
 # tokens, at slots in random blocks. The earlier way is Day 11's `ContiguousKVCache.write`,
 # one slice copy per sequence. A decode step of R rows is then R copies into R caches against
 # one scatter; a prefill of one sequence is one slice copy against a scatter into its blocks.
-# Both ways are checked to hold the same rows afterwards. The writes run on one thread: on
-# this 2-core machine, shared with other jobs, a 16-row `index_put_` at 2 threads was seen to
-# wait milliseconds for its second thread, which would time the scheduler, not the write. A
-# live run of two cases:
+# Both ways are checked to hold the same rows afterwards. The writes run on one thread, the
+# script's default: a write that takes microseconds, split over two threads of a small machine
+# that other jobs share, can wait far longer than that for its second thread to be scheduled,
+# and would then time the scheduler, not the write. A live run of two cases:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -353,22 +353,23 @@ torch.set_num_threads(2)
 
 # %% [markdown]
 # The script's run (`day-17-write.csv`, one thread, the least of 300 runs each, the two ways
-# in turn), read back. `bytes` is a fact; the times are that run's, on a 2-core machine shared with other
-# jobs:
+# in turn), read back. `bytes` is a fact; the times are that run's, on one thread of an AVX-512
+# CPU, as the cpu column says:
 
 # %%
 writes = read_csv(slotwrite.CSV_WRITE)
 show(writes, list(writes[0]))
 
 # %% [markdown]
-# For decode the paged write wins and the gap grows with the rows: 2.03x at 1 row, 6.57x at 4,
-# 18.11x at 16 and 27.49x at 64, because the contiguous way pays a Python call and a small copy
-# per sequence while the pool takes every row in one call. For one long prefill it loses from
-# 128 tokens on: at 512 and 2048 tokens the slice copy took 0.37 and 0.38 of the scatter's
-# time. Writing into one contiguous range is a plain memory copy; `index_put_` has to place
-# each row separately. The engine writes one prefill per prompt but one decode row per running
-# sequence every step, so the trade is the right way round; Day 21 measures paged against
-# contiguous over whole runs.
+# For decode the paged write wins and the gap grows with the rows: 2.00x at 1 row, 6.69x at 4,
+# 19.22x at 16 and 37.27x at 64, because the contiguous way pays a Python call and a small copy
+# per sequence while the pool takes every row in one call. At 64 rows the scatter took 10.4 µs
+# and the 64 copies 388.9 µs. For one long prefill it loses from 128 tokens on, and by more as
+# the prompt grows: at 128, 512 and 2048 tokens the slice copy took 0.52, 0.32 and 0.27 of the
+# scatter's time. Writing into one contiguous range is a plain memory copy; `index_put_` has to
+# place each row separately. The engine writes one prefill per prompt but one decode row per
+# running sequence every step, so the trade is the right way round; Day 21 measures paged
+# against contiguous over whole runs.
 #
 # ## 6. The diagram
 
@@ -443,6 +444,7 @@ ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("tokens written in the step (decode: one per row)")
 ax.set_ylabel("µs, one layer's K and V (1 thread, least of 300)")
+ax.set_ylim(top=30 * max(float(r["contiguous_us"]) for r in writes))  # room above the lines for the legend
 ax.set_title("the write, SmolLM2 shape (day-17-write.csv)")
 ax.legend(fontsize=8)
 

@@ -30,8 +30,10 @@
 # 7. the diagram.
 #
 # Counts (ops per step, bytes, FLOPs) are facts of the code path and are compared when this
-# notebook is re-run. Times come from a shared 2-core CPU and are printed with their unit, or in
-# cells marked as measurement only.
+# notebook is re-run. Times are of two kinds. The CSV's were written by the script on a quiet
+# machine, whose `cpu` column names it; section 6 prints what they add up to. The notebook's own
+# are measured live whenever it runs, in cells marked as measurement only, and on a machine that
+# other jobs are sharing they can be many times the CSV's.
 
 # %%
 import csv
@@ -167,9 +169,11 @@ assert count["aten::index_select"] == 2 * cfg.num_layers  # the K and the V gath
 
 # %% [markdown]
 # Sorted by self time, the table below is this run's measurement (it varies with the machine's
-# load, so nbval does not compare it). `bmm`, the matrices, has most of the op self time by far;
-# the next few (the attention kernel, copies, the K/V gather) have a couple of percent each, and
-# after them comes a long tail of small calls, many of them the views counted above.
+# load, so nbval does not compare it). `bmm`, the matrices, comes first with the largest share
+# of the op self time. Below it are the K/V gather (`index_select`), the attention kernel and the
+# copies, then a long tail of small calls, many of them the views counted above, most too short
+# to reach the twelve rows shown. How large the second and third rows are depends on the load:
+# an op that has to wait for a core is charged the wait.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -337,6 +341,28 @@ for b in ps.BATCHES:
         f"{matmul_gflop_s:.0f} GFLOP/s for the square 1024 matmul above"
     )
 
+# %% [markdown]
+# Those are this notebook's times. The CSV's, written by the script on the quiet machine its
+# `cpu` column names, add up as follows: per batch, the profiled step (every stage), the five
+# matrices together, and one RMSNorm.
+
+# %%
+print(committed[0]["cpu"])
+for b in ps.BATCHES:
+    step_ms = sum(float(r[f"ms_b{b}"]) for r in committed)
+    mat = [r for r in committed if r["stage"] in ps.MATRIX_STAGES]
+    mat_ms = sum(float(r[f"ms_b{b}"]) for r in mat)
+    mat_mb = sum(float(r[f"mb_read_b{b}"]) for r in mat)
+    mat_gflop = sum(float(r[f"mflop_b{b}"]) for r in mat) / 1e3
+    norm_us = 1e3 * float(next(r for r in committed if r["stage"] == "norm")[f"ms_b{b}"]) / (2 * L + 1)
+    print(
+        f"CSV batch {b}: step {step_ms:.2f} ms profiled; matrices {mat_mb:.1f} MB in {mat_ms:.2f} ms "
+        f"({100 * mat_ms / step_ms:.0f}% of the step) = {mat_mb / mat_ms:.1f} GB/s, "
+        f"{mat_gflop / mat_ms * 1e3:.0f} GFLOP/s; one norm {norm_us:.1f} µs"
+    )
+csv_step = {b: sum(float(r[f"ms_b{b}"]) for r in committed) for b in ps.BATCHES}
+print(f"CSV: batch 8's step, 8 tokens, takes {csv_step[8] / csv_step[1]:.2f} times batch 1's, 1 token")
+
 # %%
 mb_b1 = {r["stage"]: r["mb_read"] for r in table if r["batch"] == 1 and r["stage"] in ps.MATRIX_STAGES}
 mb_b8 = {r["stage"]: r["mb_read"] for r in table if r["batch"] == 8 and r["stage"] in ps.MATRIX_STAGES}
@@ -362,7 +388,8 @@ ax.barh(ys, py, left=op, color="tab:orange", label="Python between ops (label se
 ax.set_yticks(list(ys), stages)
 ax.invert_yaxis()
 ax.set_xlabel("ms per decode step")
-ax.set_title(f"Batch 8: time per stage ({ps.summary(p8)['wall_ms']:.0f} ms step, profiled)")
+wall8 = ps.summary(p8)["wall_ms"]
+ax.set_title(f"Batch 8, this notebook's run: time per stage ({wall8:.0f} ms step, profiled)")
 ax.legend(loc="lower right", fontsize=8)
 
 ax = axes[0, 1]
@@ -374,25 +401,37 @@ short = lambda n: n.removeprefix("aten::").replace(
 ax.set_yticks(range(len(top)), [f"{short(n)} ({p8.op_count[n] // p8.steps})" for n, _ in top])
 ax.invert_yaxis()
 ax.set_xlabel("self CPU ms per decode step")
-ax.set_title("Batch 8: aten ops by self time (calls per step)")
+ax.set_title("Batch 8, this notebook's run: aten ops by self time (calls per step)")
+
+# the bottom panels draw the script's run (the CSV, a quiet machine), against the read bandwidth
+# Day 12's roofline measured on the same machine (fp32, 2 threads); the top ones this notebook's
+with open(REPO / "days" / "day12" / "day-12-roofline.csv") as f:
+    day12_gb_s = next(
+        float(r["bandwidth_gb_s"])
+        for r in csv.DictReader(f)
+        if r["dtype"] == "float32" and r["threads"] == "2"
+    )
+csv_ms = {(r["stage"], b): float(r[f"ms_b{b}"]) for r in committed for b in ps.BATCHES}
+csv_mb = {(r["stage"], b): float(r[f"mb_read_b{b}"]) for r in committed for b in ps.BATCHES}
 
 ax = axes[1, 0]
 colors = {1: "tab:green", 8: "tab:red"}
 for b in ps.BATCHES:
-    rs = [r for r in table if r["batch"] == b and r["stage"] in ps.BANDWIDTH_STAGES]
-    ax.scatter([r["mb_read"] for r in rs], [r["ms"] for r in rs], color=colors[b], s=40, label=f"batch {b}")
-    for r in rs:
-        ax.annotate(
-            r["stage"], (r["mb_read"], r["ms"]), fontsize=7, xytext=(4, 2), textcoords="offset points"
-        )
+    ss = ps.BANDWIDTH_STAGES
+    xy = ([csv_mb[s, b] for s in ss], [csv_ms[s, b] for s in ss])
+    ax.scatter(*xy, color=colors[b], s=40, label=f"batch {b}")
+    for s in ss:  # mlp_down and head sit close together: one label on each side
+        left = s == "mlp_down"
+        at, off = (csv_mb[s, b], csv_ms[s, b]), (-4 if left else 4, 2)
+        ax.annotate(s, at, fontsize=7, xytext=off, textcoords="offset points", ha="right" if left else "left")
 xs = [1, 300]
-ax.plot(xs, [x / bandwidth for x in xs], "k--", lw=1, label=f"measured read bandwidth ({bandwidth:.0f} GB/s)")
+ax.plot(xs, [x / day12_gb_s for x in xs], "k--", lw=1, label=f"read bandwidth, Day 12: {day12_gb_s:.1f} GB/s")
 ax.set_xscale("log")
 ax.set_yscale("log")
-ax.set_ylim(bottom=0.5)
 ax.set_xlabel("MB read per step (weights; K/V for attention)")
-ax.set_ylabel("ms per step")
-ax.set_title("Bytes against time: above the line is slower than streaming")
+ax.set_ylim(bottom=0.5)
+ax.set_ylabel("ms per step (the script's run, CSV)")
+ax.set_title("Bytes against time (CSV): above the line is slower than streaming")
 ax.legend(fontsize=8)
 
 ax = axes[1, 1]
@@ -411,32 +450,25 @@ groups = {
 gcolors = ["tab:blue", "tab:red", "tab:gray", "tab:orange"]
 for i, b in enumerate(ps.BATCHES):
     left = 0.0
-    by = {r["stage"]: r["ms"] for r in table if r["batch"] == b}
+    step_ms = sum(csv_ms[s, b] for s in ps.STAGES)
     for (g, members), c in zip(groups.items(), gcolors):
-        w = sum(by[s] for s in members)
+        w = sum(csv_ms[s, b] for s in members)
         ax.barh(i, w, left=left, color=c, label=g if i == 0 else None)
-        if w > 0.06 * sum(by.values()):
-            ax.text(left + w / 2, i, f"{w:.0f}", ha="center", va="center", fontsize=9, color="white")
+        if w > 0.06 * step_ms:
+            ax.text(left + w / 2, i, f"{w:.1f}", ha="center", va="center", fontsize=9, color="white")
         left += w
-    plain = ps.summary(profiles[b])["plain_wall_ms"]
-    ax.plot(
-        [plain, plain],
-        [i - 0.45, i + 0.45],
-        "k-",
-        lw=2.5,
-        label="step with the profiler off" if i == 0 else None,
-    )
 ax.set_yticks(range(len(ps.BATCHES)), [f"batch {b}" for b in ps.BATCHES])
-ax.set_xlabel("ms per decode step (profiled)")
-ax.set_title("Batch 1 against batch 8: the same bytes, 8 tokens")
+ax.set_xlabel("ms per decode step, profiled (the script's run, CSV)")
+ax.set_title("Batch 1 against batch 8 (CSV): the same bytes, 8 tokens")
 ax.legend(fontsize=8, loc="upper right")
-ax.set_ylim(-0.6, len(ps.BATCHES) + 0.4)
+ax.set_ylim(-0.6, len(ps.BATCHES) + 0.9)
 
 fig.suptitle(
-    "Day 48: one decode step of SmolLM2-135M (fp32, CPU) under torch.profiler (times: this notebook's run)",
+    "Day 48: one decode step of SmolLM2-135M (fp32, 2 threads, AVX-512 CPU) under torch.profiler\n"
+    "top: this notebook's run; bottom: the script's run (the CSV)",
     fontsize=14,
 )
-fig.tight_layout()
+fig.tight_layout(rect=(0, 0, 1, 0.96))
 png = diagram_path("day48-profile.png")
 fig.savefig(png, dpi=100)
 plt.close(fig)

@@ -114,7 +114,10 @@ with open(lb.CSV) as f:
 assert [[str(r[c]) for c in facts] for r in rows] == [[r[c] for c in facts] for r in committed], "rerun"
 
 # %% [markdown]
-# The times, measured on a shared 2-core CPU (nbval does not compare them):
+# The times of this notebook's own run (nbval does not compare them). They are whatever the
+# machine gave while the notebook ran: when other jobs share its two cores, a step can take many
+# times what the CSV's quiet run took, and a small model can come out slower than a large one.
+# Sections 5 and 6 read the CSV for that reason.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -251,15 +254,16 @@ for r in rows:
 print("priced above the whole step in this run:", ", ".join(over) or "none")
 
 # %% [markdown]
-# How a price per op can over-count. It is one number taken from one timing: the fastest of a
-# few steps of h64-l30 on a shared machine. Whatever slowed that step (another job's threads
-# taking a core, say) is divided by its op count and charged to every op of every other model.
-# And an op does not have one price: it depends on the op and on the size of its tensors, which
-# is why the same 30 layers cost more per op at batch 8 than at batch 1. A model whose ops were
-# cheaper in this run than h64-l30's is priced above its own measured step.
+# How a price per op can mislead. It is one number taken from one timing: the fastest of a
+# few steps of h64-l30. Whatever slowed that step (another job's threads taking a core, say) is
+# divided by its op count and charged to every op of every other model; and whatever slowed
+# another model's step and not that one lands in the gap between prediction and measurement.
+# An op does not have one price either: it depends on the op and on the size of its tensors,
+# which is why the same 30 layers cost more per op at batch 8 than at batch 1.
 #
-# The committed CSV is the script's run (ten timed steps per row instead of five). Its
-# batch-1 rows, priced each on their own, say how close the models' per-op prices came there:
+# The committed CSV is the script's run on a quiet machine (ten timed steps per row instead of
+# five; its `cpu` column names the CPU). Its batch-1 rows, each priced on its own, show where a
+# step's time above its floor is the ops' price and where it is something else:
 
 # %%
 with open(lb.CSV) as f:
@@ -267,6 +271,7 @@ with open(lb.CSV) as f:
 script_price = {
     r["model"]: (float(r["step_ms"]) - float(r["floor_ms"])) / int(r["py_calls"]) for r in script_rows
 }
+print(script_rows[0]["cpu"])
 for r in script_rows:
     print(
         f"{r['model']:13s}: ({r['step_ms']} - {r['floor_ms']}) ms over {r['py_calls']} ops = "
@@ -276,13 +281,49 @@ ratio = script_price["h64-l4"] / script_price["h64-l30"]
 print(f"h64-l4 against h64-l30 in the script's run: {ratio:.2f} of the price")
 
 # %% [markdown]
+# The same sum as above, step = floor + ops x price, now on every row of the CSV, with the price
+# of its h64-l30 batch-1 row; then what the default model's floors say about that run's peaks,
+# and what shrinking the weights bought at batch 1.
+
+# %%
+p30 = script_price["h64-l30"]
+with open(lb.CSV) as f:
+    all_rows = list(csv.DictReader(f))
+for r in all_rows:
+    step, floor, ops = float(r["step_ms"]), float(r["floor_ms"]), int(r["py_calls"]) * p30
+    print(
+        f"{r['model']:13s} batch {r['batch']:>2s}: {step:6.2f} ms; floor {floor:5.2f} + ops {ops:4.2f} "
+        f"= {floor + ops:5.2f} ms, {step - floor - ops:5.2f} ms left; the ops are {100 * ops / step:3.0f}%"
+    )
+big = {r["batch"]: r for r in all_rows if r["model"] == lb.DEFAULT}
+print(
+    f"{lb.DEFAULT} floors: {float(big['1']['weight_mb']) / float(big['1']['floor_ms']):.1f} GB/s read "
+    f"(batch 1), {float(big['32']['mflop']) / float(big['32']['floor_ms']):.0f} GFLOP/s (batch 32)"
+)
+small = next(r for r in script_rows if r["model"] == "h64-l30")
+print(
+    f"{lb.DEFAULT} to h64-l30, batch 1: {float(big['1']['weight_mb']) / float(small['weight_mb']):.0f} "
+    f"times less weight, a step {float(big['1']['step_ms']) / float(small['step_ms']):.1f} times shorter"
+)
+
+# %% [markdown]
 # ## 6. The diagram
+#
+# Drawn from the committed CSV (batch 1 and 8), the script's quiet run, with the per-op price
+# of its h64-l30 row; this notebook's own times move with whatever else the machine is running.
 
 # %%
 fig, axes = plt.subplots(2, 2, figsize=(14, 10.5))
 names = list(models)
 colors = dict(zip(names, ["tab:blue", "tab:orange", "tab:green", "tab:red"]))
-by = {(r["model"], r["batch"]): r for r in rows}
+ints = {"hidden", "layers", "vocab", "batch", "py_calls", "fwd_calls", "aten_calls"}
+with open(lb.CSV) as f:  # the script's run: every time in the diagram is the CSV's
+    csv_rows = [
+        {k: v if k in ("model", "cpu") else int(v) if k in ints else float(v) for k, v in r.items()}
+        for r in csv.DictReader(f)
+    ]
+by = {(r["model"], r["batch"]): r for r in csv_rows}
+csv_price_ms = script_price["h64-l30"]  # (step - floor) / py_calls of h64-l30, batch 1, in the CSV
 
 ax = axes[0, 0]
 for batch, marker in ((1, "o"), (8, "s")):
@@ -299,11 +340,11 @@ for n in names:
     ax.annotate(n, (r["weight_mb"], r["step_ms"]), fontsize=8, xytext=(5, 5), textcoords="offset points")
 r30 = by["h64-l30", 1]
 ax.axhline(
-    r30["py_calls"] * price_ms,
+    r30["py_calls"] * csv_price_ms,
     color="tab:purple",
     ls="--",
     lw=1,
-    label=f"{r30['py_calls']} ops x {price_ms * 1e3:.1f} µs",
+    label=f"{r30['py_calls']} ops x {csv_price_ms * 1e3:.1f} µs",
 )
 ax.plot([], [], "k:", label="work floor (bytes or FLOPs)")
 ax.set_xscale("log")
@@ -316,7 +357,7 @@ ax.legend(fontsize=8, loc="lower right")
 ax = axes[0, 1]
 for i, n in enumerate(names):
     r = by[n, 1]
-    ops_ms = r["py_calls"] * price_ms
+    ops_ms = r["py_calls"] * csv_price_ms
     work = min(r["floor_ms"], r["step_ms"])
     rest = max(r["step_ms"] - work - ops_ms, 0.0)
     ax.barh(i, work, color="tab:blue", label="work floor" if i == 0 else None)
@@ -367,13 +408,13 @@ ax = axes[1, 1]
 for n in names:
     rs = [by[n, b] for b in (1, 8)]
     ax.plot([1, 8], [r["step_ms"] / r["batch"] for r in rs], "o-", color=colors[n], label=n)
-ops30 = by["h64-l30", 1]["py_calls"] * price_ms
+ops30 = by["h64-l30", 1]["py_calls"] * csv_price_ms
 ax.plot(
     [1, 8],
     [ops30, ops30 / 8],
     "k--",
     lw=1,
-    label=f"{by['h64-l30', 1]['py_calls']} ops x {price_ms * 1e3:.1f} µs, shared by the rows",
+    label=f"{by['h64-l30', 1]['py_calls']} ops x {csv_price_ms * 1e3:.1f} µs, shared by the rows",
 )
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
@@ -381,10 +422,12 @@ ax.set_xticks([1, 8], ["1", "8"])
 ax.set_xlabel("batch (rows per step)")
 ax.set_ylabel("ms per generated token (step / batch, log)")
 ax.set_title("Batching shares the ops' price among the rows")
-ax.legend(fontsize=8)
+ax.set_ylim(top=ax.get_ylim()[1] * 8)  # room above the lines for the legend
+ax.legend(fontsize=8, loc="upper right")
 
 fig.suptitle(
-    "Day 49: decode on a shrinking Llama, fp32 on a shared 2-core CPU: the price per op sets the floor",
+    "Day 49: decode on a shrinking Llama, fp32, 2 threads on an AVX-512 CPU (the script's run, the CSV):"
+    " the price per op sets the floor",
     fontsize=13,
 )
 fig.tight_layout()

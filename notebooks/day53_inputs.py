@@ -377,7 +377,9 @@ for i, mode in enumerate(addresses.MODES):
 ax.set_xticks(range(len(gens)), [f"{g} tokens" for g in gens])
 ax.set_ylabel("µs to build one decode plan (median)")
 ax.set_title("Planning time from the CSV: persistence is not a CPU speed-up")
-ax.legend(fontsize=9)
+top = max(float(r["plan_us"]) for r in committed)
+ax.set_ylim(0, 1.35 * top)  # room above the bars for their labels and the legend
+ax.legend(fontsize=9, loc="upper center", ncol=3)
 
 fig.suptitle("Day 53: persistent inputs, the same addresses every step", fontsize=14)
 fig.tight_layout()

@@ -415,7 +415,7 @@ ax.plot(steps, [s["ctx"] for s in cap_log], color="gray", lw=1, label="longest c
 rec = [(i, s["shape"][1]) for i, s in zip(steps, cap_log) if s["kind"] == "record"]
 ax.scatter(*zip(*rec), s=120, color="tab:red", zorder=3, label="graph recorded (cold capture)")
 for i, w in rec:
-    ax.annotate(f"record (4, {w})", (i, w), textcoords="offset points", xytext=(-40, 10), color="tab:red")
+    ax.annotate(f"record (4, {w})", (i, w), textcoords="offset points", xytext=(-8, 10), color="tab:red")
 ax.set_xlabel("decode step")
 ax.set_ylabel("tokens")
 ax.set_ylim(0, 80)
@@ -433,6 +433,7 @@ for i, r in enumerate(table):
 ax.set_xticks(list(x), [str(r["generated"]) for r in table])
 ax.set_xlabel("tokens generated (3 rows, 16-token prompts, width multiple 16)")
 ax.set_ylabel("graphs recorded mid-run")
+ax.set_ylim(0, max(r["predicted"] for r in table) + 1)  # room for the replay counts
 ax.set_title("capturebench: one recording per width bucket crossed")
 ax.legend(loc="upper left")
 

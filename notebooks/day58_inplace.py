@@ -215,13 +215,19 @@ layer = read_csv(inplace.HERE / "day-58-attention.csv")
 show(layer, ["widest", "width", "gather_ms", "native_ms", "speedup"])
 
 # %% [markdown]
-# In the script's run the kernel was faster at every context, by 2.04x to 4.04x (`speedup`,
-# gather time over native time, both from the same run). The bytes table alone predicts
-# 1.88x, and the copy's write and second read add to the gather side. The run shared the
-# machine with other jobs (a load average of about 4 on 2 cores), so the milliseconds swing
-# from run to run, as the live line above shows against the table; the ratios, each taken
-# from two variants measured in turn, are what to read. The ratio peaked at C = 512 and fell
-# at the two widest contexts; this run cannot say whether that is the machine or the kernel.
+# The script's run was made on a 2-core AVX-512 EPYC, 2 threads, as the CSV's `cpu` column
+# says ("torch capability AVX512, flags avx2 avx512f avx512_bf16"). The kernel was faster at
+# every context, by 3.01x to 13.32x (`speedup`, gather time over native time, both from the
+# same run). The bytes table alone predicts 1.88x; the copy's write and SDPA's second read add
+# to the gather side. The ratio is far from smooth in C. Up to C = 256 it stayed between 3.09x
+# and 4.08x, both times under 0.3 ms. From C = 256 to 512 the gather time jumped from 0.273 ms
+# to 3.408 ms while the kernel's went from 0.089 ms to 0.256 ms, which gives 13.32x at 512 and
+# 9.67x at 1024; at 2048 the ratio came back down to 3.01x, with a gather best (5.763 ms) below
+# the one at 1024 (8.481 ms). One layer's padded copy is 6.29 MB at C = 256 and 12.58 MB at 512
+# (`copied_mb_layer` in the bytes CSV); the table cannot say what makes the gather path step up
+# there, and gather times that fall from 1024 to 2048 say its widest points are the least
+# steady. The live line above takes 5 turns on a machine shared with other jobs, so its
+# milliseconds need not match the table's.
 
 # %% [markdown]
 # ## 4. A whole decode step on SmolLM2
@@ -275,17 +281,30 @@ steps = read_csv(inplace.HERE / "day-58-step.csv")
 show(steps, ["widest", "sum_len", "gather_ms", "native_ms", "speedup"])
 profile = read_csv(inplace.HERE / "day-58-profile.csv")
 show(profile, ["attention", "rank", "op", "calls", "self_ms", "aten_ops"])
+ATTENTION_OPS = ("decode attention", "aten::index_select", OPS[2])  # OPS[2]: the SDPA kernel
+aten_ops = {}
+for kind in ("gather", "native"):
+    top = [r for r in profile if r["attention"] == kind]
+    attention_ms = sum(float(r["self_ms"]) for r in top if r["op"] in ATTENTION_OPS)
+    bmm_ms = next(float(r["self_ms"]) for r in top if r["op"] == "aten::bmm")
+    aten_ops[kind] = int(top[0]["aten_ops"])
+    print(f"{kind}: attention's entries {attention_ms:.1f} ms self, aten::bmm {bmm_ms:.1f} ms self")
+fewer = aten_ops["gather"] - aten_ops["native"]
+print(f"aten ops in a step: gather {aten_ops['gather']:,}, native {aten_ops['native']:,}: "
+      f"{fewer // inplace.LAYERS} fewer per layer")  # fmt: skip
+assert fewer % inplace.LAYERS == 0
 
 # %% [markdown]
-# Over a whole step the gain is small and, at this noise level, not cleanly measured: 0.97x at
-# C = 128, 1.26x at 512, 1.07x at 1024. The profile shows where the step goes. `aten::bmm`, the
-# matmuls of 30 layers and the logits, takes most of it either way (971.2 ms and 964.5 ms of
-# self time in the two profiled steps). The attention is what changed: in the gather step it is
-# three entries, `index_select` (457.1 ms), the SDPA kernel (321.6 ms) and the label's own share
-# (81.4 ms); in the native step it is one, the label, which holds the kernel's 368.8 ms. The
-# aten ops in a step fall from 7,416 to 5,376, 68 fewer per layer. So at 16 rows and these
-# contexts the copy was a real share of the step but not most of it. The copied bytes grow with
-# the context (section 1); the matmuls' work per step does not.
+# Over a whole step the kernel gains too, and more the wider the context: 1.10x at C = 128,
+# 1.40x at 512 and 2.07x at 1024, where a step went from 137.8 ms to 66.7 ms. The profile at
+# C = 1024 shows why. In the gather step attention is three entries, the SDPA kernel (23.1 ms),
+# `index_select` (17.3 ms) and the label's own share (4.0 ms), together 44.4 ms of self time:
+# more than `aten::bmm`, the matmuls of 30 layers and the logits, at 38.5 ms. In the native step
+# it is one entry, the label, which holds the kernel's 11.5 ms. `aten::bmm` does the same work
+# in both steps and took 31.0 ms in the native one; a single profiled step cannot say whether
+# the copy's traffic slowed the matmuls or that gap is run-to-run. The aten ops in a step fall
+# from 7,416 to 5,376, 68 fewer per layer. The copied bytes grow with the context (section 1)
+# and the matmuls' work per step does not, which is why the step's gain grows with C.
 
 # %% [markdown]
 # ## 5. Same tokens
@@ -342,7 +361,7 @@ for label, got in wrong.items():
 # `native()` hands `csrc/paged_attention.cpp` to `torch.utils.cpp_extension.load`, which
 # compiles it with this machine's C++ compiler into torch's extension cache the first time a
 # process asks and loads the cached build after that. The flags include `-march=native`: the
-# compiler may use every vector instruction this CPU has (AVX2 here, per the line below), so
+# compiler may use every vector instruction this CPU has (AVX-512 here, per the line below), so
 # the build belongs to this kind of machine and might not run on an older one; that is why it
 # is built where it runs and not shipped as a binary. Where there is no compiler, or the build
 # fails, or `NANOSERVE_NATIVE=0` is set, `native()` returns None: `"auto"` then quietly takes

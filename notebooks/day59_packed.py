@@ -154,9 +154,10 @@ print("memory [0:4]    =", [round(v, 4) for v in raw[:4].tolist()], "= w[0:4, 0]
 print("memory [64:68]  =", [round(v, 4) for v in raw[64:68].tolist()], "= w[0:4, 1]")
 
 # %% [markdown]
-# Why 64 outputs by 16 inputs: an AVX2 register holds 8 floats, so 64 outputs are 8 registers.
-# The inner loop broadcasts one input value of one row and adds it, times 64 consecutive
-# weights, into those 8 accumulators; the next input's 64 weights follow in memory, so the
+# Why 64 outputs by 16 inputs: 64 floats are 4 AVX-512 registers of 16 (the kernel oneDNN ran
+# here, named in the line above) or 8 AVX2 registers of 8. The inner loop broadcasts one input
+# value of one row and adds it, times 64 consecutive weights, into those accumulators; the next
+# input's 64 weights follow in memory, so the
 # weights stream through in the order they are used. The product over tiles, in plain lines:
 # for each output tile and each input tile, a (rows, 16) by (16, 64) product, summed over the
 # input tiles.
@@ -211,14 +212,18 @@ for label, got in results.items():
 # %% [markdown]
 # ## 3. One step's linears, plain against packed
 #
-# First, a word on threads. This machine has 2 cores and was shared with other jobs throughout.
-# `threads_table` times single calls of one linear at 1 row (30 distinct 3072 x 576 matrices,
-# 4 passes): on one thread a call took about a millisecond; on two, the median call took 12 ms,
-# because a call on two threads is one parallel region, and it ends only when the second thread
-# has been given a core, which on a busy machine can take a scheduler tick. Two threads measured
-# the scheduler, not the kernels, so this notebook and the script's committed tables run on one
-# thread (`--threads 2` is there for a quiet machine). On one thread Day 12's `linear` is a
-# single `F.linear`, which is still the plain variant: the weight as loaded.
+# First, a word on threads. `threads_table` times single calls of one linear at 1 row (30
+# distinct 3072 x 576 matrices, 4 passes) on one thread and on two. The script ran on a quiet
+# 2-core AVX-512 EPYC, as its CSVs' `cpu` column says ("torch capability AVX512, flags avx2
+# avx512f avx512_bf16, mkldnn bf16 yes"), and there two threads were faster: the median plain
+# call went from 0.40 ms to 0.22 ms, the packed one from 0.20 ms to 0.17 ms. A call on two
+# threads is one parallel region, though, and it ends only when both threads have done their
+# halves; where other jobs hold the cores, as they can while this notebook runs, the second
+# thread waits for one. So this notebook and the script's other tables stay on one thread, the
+# script's default (`--threads 2` is there for a quiet machine), and every comparison below is
+# core for core. On one thread Day 12's `linear` is a single `F.linear`, which is still the plain
+# variant: the weight as loaded. Even this table shows packing at work: on one thread the
+# packed call's median was half the plain one's.
 
 # %%
 threads = read_csv(packbench.HERE / "day-59-threads.csv")
@@ -255,14 +260,16 @@ gbs = {k: float(one["weight_mb"]) / float(one[k]) for k in ("plain_ms", "packed_
 print("1 row, all 121 matrices: " + ", ".join(f"{k[:-3]} {v:.1f} GB/s" for k, v in gbs.items()))
 
 # %% [markdown]
-# Read by rows. At 1 row there is nothing to gain: every weight is used once, the product is a
-# walk over 537.9 MB, and all three variants read it at about the same rate (the blocks were
-# 0.92x packed, the head 1.25x, all 121 matrices 0.98x; packed for 1 row, 93.65 ms against
-# 96.78 ms plain). From 4 rows on, packing wins at every row count: 1.47x over all matrices at
-# 4 rows, 1.32x at 16 and 1.22x at 64, from 18.0 to 23.8 GFLOP/s at 16 rows. The head gains most,
-# 2.05x at 4 rows and 1.80x at 16, against 1.22x to 1.34x for the block matrices at 4 and 16
-# rows. These are one run on a shared machine: the ratios are what to read, since each pair of
-# times came from passes taking turns; the milliseconds would be lower on a quiet one.
+# Read by rows. At 1 row every weight is used once, and the product is a walk over 537.9 MB;
+# Day 12 measured this machine reading memory at 41.8 GB/s on one thread. The plain path
+# walked it at 17.8 GB/s (30.22 ms), the weights packed for 16 rows at 33.6 GB/s (16.00 ms),
+# 1.89x faster, and the weights packed for 1 row, which oneDNN leaves in the plain order, at
+# 24.3 GB/s (22.17 ms). So on this CPU even one row gains, partly from oneDNN's kernel (the same
+# order, faster than `F.linear`) and partly from the tiled order. From 4 rows on packing won by
+# more: 2.60x over all matrices at 4 rows, 2.39x at 16 and 2.41x at 64; at 16 rows from 61.5 to
+# 146.6 GFLOP/s. The head gained most at every row count, 3.22x at 4 rows and 2.77x at 16,
+# against 2.29x to 2.45x for the block matrices at 4 to 64 rows. Each pair of times came from
+# passes taking turns in one run.
 
 # %% [markdown]
 # ## 4. The attention kernel
@@ -305,15 +312,19 @@ assert flops / read == 1.5
 t = packbench.attention_times(256, reps=5)
 print(f"C = 256, one layer: gather {t['gather'] * 1e3:.3f} ms, AVX2 kernel {t['native'] * 1e3:.3f} ms")
 att = read_csv(packbench.HERE / "day-59-attention.csv")
-show(att, ["widest", "sum_len", "read_kb", "mflop", "gather_ms", "portable_ms", "avx2_ms", "avx2_gbs",
-           "gather_over_avx2", "portable_over_avx2"])  # fmt: skip
+columns = ["widest", "sum_len", "read_kb", "mflop", "gather_ms", "portable_ms", "avx2_ms", "avx2_gbs",
+           "gather_over_avx2", "portable_over_avx2"]  # fmt: skip
+if not any(r["portable_ms"] for r in att):  # the run was made without --portable
+    columns = [c for c in columns if not c.startswith("portable")]
+show(att, columns)
 
 # %% [markdown]
-# The kernel beat the gather path at all three contexts (3.45x to 4.95x in the script's run),
-# and the AVX2 build beat the portable one, the same source compiled with the same flags but its
-# AVX2 block switched off (`packbench.portable_kernel`): 1.83x at C = 64, 1.96x at 256, 2.09x at
-# 1024. The kernel's rate, `avx2_gbs` (the K/V bytes it must read over its time), fell from
-# 14.9 GB/s at C = 64 to about 5 GB/s at the two larger contexts.
+# The kernel beat the gather path at all three contexts, 3.72x at C = 64, 2.76x at 256 and
+# 2.43x at 1024. Its rate, `avx2_gbs` (the K/V bytes it must read over its time), was 28.7 GB/s
+# at C = 64 and 29.9 GB/s at 256, on one thread, and fell to 10.7 GB/s at 1024, where one layer
+# reads 19267.6 KB. The script's run was made without `--portable`, so this table has no
+# portable build to set against the AVX2 one; `packbench.portable_kernel()` builds it (the same
+# source with its AVX2 block switched off) for a run that wants that comparison.
 
 # %% [markdown]
 # ## 5. A whole 16-row step
@@ -367,17 +378,18 @@ print(f"ops in a step: plain {counts['plain']:,}, packed {counts['packed']:,}: {
       f"{fewer / 121:.0f} per matrix")  # fmt: skip
 
 # %% [markdown]
-# The packed engine's decode step was 1.35x faster at C = 64 and 1.21x at 256, and its mixed
-# step 1.15x. The head's share shows the table of section 3 inside a real step: 74.1 ms against
-# 38.7 ms at C = 64, 66.2 against 37.0 at 256. The block linears gained less (220.4 to 175.4 ms,
-# 194.8 to 166.7 ms), as in section 3. Attention is the same kernel in both engines, so its two
-# columns differ by this machine's noise, not by packing; the same goes for the plain step at
-# C = 256 coming out faster than the one at 64. The mixed step carries 143 tokens, and its block
-# linears gain least of all (810.1 ms plain, 734.3 ms packed), in line with section 3, where the
-# block matrices' gain shrank from 16 rows to 64. In the profile, the 121 products are 121
-# `aten::mm` calls in the plain step and 121 `mkldnn::_linear_pointwise` calls in the packed
-# one, and the packed step runs 3,440 aten and mkldnn ops against 4,166: 726 fewer, 6 per
-# matrix, the ops that `F.linear` wraps around its `mm`.
+# The packed engine's decode step was 2.04x faster at C = 64 and 1.92x at 256, and its mixed
+# step 2.10x. Both linear parts shrank: the head from 16.4 ms to 5.9 ms at C = 64 (16.9 to 5.9 at
+# 256, 15.9 to 5.9 in the mixed step), the block linears from 55.8 ms to 24.9 ms and from 56.5 ms
+# to 25.5 ms, as section 3 predicts. Attention is the same kernel in both engines, and its
+# columns agree to within this run's spread (3.2 and 3.3 ms at C = 64, 9.5 and 9.2 at 256). The
+# mixed step carries 143 tokens, and there the block linears, most of the step, went from
+# 299.3 ms to 125.7 ms: in section 3 the block matrices' gain did not shrink with the rows
+# (2.35x at 64), and with 143 tokens it did not shrink either. In the profile, the 121 products
+# are 121 `aten::mm` calls in the plain step (75.1 ms of self time) and 121
+# `mkldnn::_linear_pointwise` calls in the packed one (31.2 ms), and the packed step runs 3,440
+# aten and mkldnn ops against 4,166: 726 fewer, 6 per matrix, the ops that `F.linear` wraps
+# around its `mm`.
 
 # %% [markdown]
 # ## 6. Same tokens
@@ -453,11 +465,12 @@ finally:
 
 # %% [markdown]
 # Where packing is impossible, `packing_status(dtype, device)` says why, and `pack_linears`
-# raises that sentence. The CPU these outputs come from has AVX2 but no bf16 instructions, and
-# oneDNN packs bf16 weights only where it has them; on a GPU the linears stay plain. An engine
-# asked for `"packed"` refuses with the same reason, and `"auto"` quietly takes the plain path.
-# On a CPU with avx512_bf16 or AMX all three pack the bf16 model, so what this cell prints
-# depends on the machine (under test its output is not compared); its assert holds on either.
+# raises that sentence. oneDNN packs bf16 weights only on a CPU with bf16 instructions
+# (avx512_bf16 or AMX); on an AVX2-only CPU a bf16 model is refused, an engine asked for
+# `"packed"` refuses with the same reason, and `"auto"` quietly takes the plain path. On a GPU
+# the linears stay plain. The CPU these outputs come from has avx512_bf16, so here the bf16
+# model packs and `"auto"` picks `packed`; what this cell prints depends on the machine (under
+# test its output is not compared), and its assert holds on either kind.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -531,6 +544,7 @@ for j, part in enumerate(("blocks", "head")):
     for r in rows_:
         ax.annotate(f"x{r['speedup']}", (int(r["rows"]), float(r["packed_gflops"])),
                     textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+    ax.set_ylim(0, max(packed_g) * 1.15)  # room for the labels above the last point
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(v) for v in xs])
     ax.set_xlabel("rows")

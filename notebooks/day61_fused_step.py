@@ -18,12 +18,12 @@
 #
 # A decode step of SmolLM2-135M is a long list of small torch operations: per block a norm, a
 # product, a rotary, a K/V write, attention, another product, a residual, and so on, 30 times,
-# then the head. Each of them is dispatched from Python, and each pays a few microseconds
-# before any arithmetic starts. Day 49 priced that at about 5.1 µs an op, timed on a 30-layer
-# model only 64 wide (quoted). With fp32 weights the step has to read 538 MB, and the overhead
-# hides behind that read. With day 60's Q4_1 blocks
-# it reads 97 MB, the read shrinks by more than five times, and the same list of ops costs what
-# it cost before: now the overhead is as large as the work.
+# then the head. Each of them is dispatched from Python, and each pays a microsecond or more
+# before any arithmetic starts: day 49 timed a step of a 30-layer model only 64 wide, nearly all
+# overhead, at 1.5 µs an op. With fp32 weights the step has to read 538 MB, and the overhead
+# hides behind that read. With day 60's Q4_1 blocks it reads 97 MB, the read shrinks by more
+# than five times, and the same list of ops costs what it cost before: now the overhead is of
+# the same size as the work.
 #
 # The engine's answer is `Llama.fused_decode`: the whole decode step written out in C++
 # (csrc/quant.cpp) and called once. `engine_config(61, decode_step="fused")` turns it on;
@@ -32,10 +32,11 @@
 # 1. the ops of one engine decode step, counted, and their price against the weights' read,
 # 2. the same count for the fused step, and a batch-1 step timed both ways, fp32 and Q4_1,
 # 3. batch 4 and 16 from `days/day61/fusedbench.py`: ms a step and ms a token,
-# 4. `torch.compile` on the ops path, from the script's CSV,
-# 5. equality: one step's logits fused against ops on the same plan and pools, and greedy tokens,
-# 6. a fused step that writes the K/V one slot off, caught by the logits check,
-# 7. the diagram.
+# 4. day 60's comparison with llama.cpp again, now with the fused step, from the script's CSV,
+# 5. `torch.compile` on the ops path, from the script's CSV,
+# 6. equality: one step's logits fused against ops on the same plan and pools, and greedy tokens,
+# 7. a fused step that writes the K/V one slot off, caught by the logits check,
+# 8. the diagram.
 
 # %%
 import csv
@@ -50,7 +51,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from nanocourse import REPO, diagram_path, engine_config, top2_gap
+from nanocourse import REPO, diagram_path, engine_config, read_csv, top2_gap
 from nanoserve.bench import cpu_line
 from nanoserve.models import describe_weights, load_model, model_weight_bytes, quantize_model
 from nanoserve.sampling import SamplingParams
@@ -95,28 +96,31 @@ assert counted.total == int(csv_row("fp32", 1, "ops")["ops_step"])
 # %% [markdown]
 # The script counted the same number (the assert holds it against the CSV), and the count does
 # not depend on the weights' values, only on the code path, the layers and the thread count.
-# Priced at day 49's 5.1 µs an op (quoted), and set against what reading the weights once costs
-# at the read bandwidth the script measured:
+# Priced at day 49's step time per op of its 30-layer model 64 wide at batch 1 (`us_per_call`
+# in day 49's CSV, measured on the same 2-core machine), and set against what reading the
+# weights once costs at the read bandwidth this day's script measured:
 
 # %%
+day49 = read_csv(REPO / "days" / "day49" / "day-49-launch.csv")
+price_us = float(next(r for r in day49 if (r["model"], r["batch"]) == ("h64-l30", "1"))["us_per_call"])
 bandwidth = float(CSV[0]["bandwidth_gbs"])
-print(f"read bandwidth in the script's run: {bandwidth} GB/s")
+print(f"day 49's price per op: {price_us} µs; read bandwidth in this script's run: {bandwidth} GB/s")
+print(CSV[0]["cpu"])
 for weights in ("fp32", "q4_1"):
     r = csv_row(weights, 1, "ops")
     mb, n = float(r["weight_mb"]), int(r["ops_step"])
-    read_ms, overhead_ms = mb / bandwidth, n * 5.1e-3
+    read_ms, overhead_ms = mb / bandwidth, n * price_us * 1e-3
     print(
-        f"{weights:>5}: {mb:6.1f} MB of weights -> {read_ms:5.1f} ms to read;  "
-        f"{n} ops x 5.1 µs = {overhead_ms:4.1f} ms  (overhead / read = {overhead_ms / read_ms:.2f})"
+        f"{weights:>5}: {mb:6.1f} MB of weights -> {read_ms:5.2f} ms to read;  "
+        f"{n} ops x {price_us} µs = {overhead_ms:4.2f} ms  (overhead / read = {overhead_ms / read_ms:.2f})"
     )
 
 # %% [markdown]
 # The Q4_1 step has fewer ops (its linears are one native call each, where the plain fp32 linear
-# is several aten ops), but its read shrank far more. With fp32 weights the overhead is about 0.3
-# of the read; with Q4_1 it is as large as the read itself, at day 49's price per op. That price
-# was taken on tensors 64 wide, and the script's own price per removed op for Q4_1 (sections 2
-# and 3: 11.5 µs at one row down to 7.0 at 16) is above it, so on this model the overhead is
-# larger still.
+# is several aten ops), but its read shrank far more. At day 49's price per op the overhead is
+# 0.23 of the read with fp32 weights and 0.80 of it with Q4_1. That price was taken on tensors
+# 64 wide, and this script's own price per removed op for Q4_1 (sections 2 and 3: 2.2 µs at one
+# and at four rows, 2.8 at 16) is above it, so on this model the overhead outgrows the read.
 #
 # ## 2. The fused step: what is left, and one row timed both ways
 #
@@ -194,7 +198,63 @@ for weights in ("q4_1", "fp32"):
         print(f"{weights:>5} {rows:2d} rows: ops / fused = {float(o['step_ms']) / float(f['step_ms']):.2f}")
 
 # %% [markdown]
-# ## 4. The compiler's way, from the script
+# For Q4_1 the fused step's lead shrinks as rows are added, 1.48x at one row, 1.28x at four and
+# 1.10x at 16, because the overhead it removes is shared by more tokens. For fp32 it is 1.71x at
+# one row and 2.02x at four, and at 16 rows the two steps take the same time (0.99x). With fp32
+# weights the fused step also swaps torch's matrix kernel for its own, so its time is not the ops
+# step's minus the overhead: the two changes mix, and at 16 rows they cancel in this run.
+
+# %% [markdown]
+# ## 4. Against llama.cpp, one row
+#
+# Day 60 set its engine (torch-ops step) beside llama.cpp at batch 1: greedy decode of
+# `nanoserve.bench.DECODE_PROMPT`, 64 tokens past the prompt, on the default GGUF. The script
+# runs that comparison again with both steps (`--llama-server BIN --llama-bench BIN`, writing
+# `day-61-peer.csv`): the file's Q4_1 blocks with fp32 and with int8 activations, each on the ops
+# and the fused step, four engines taking three turns and each keeping its best rate (prefill
+# taken out), then llama-server and llama-bench on the same file. `fused_vs_ops` says where the
+# fused step's tokens part from the ops step's with the same weights and activations, and
+# `top2_gap_there` how far apart the ops model's top two logits were at that token. The
+# notebook reads the CSV; the run needs llama.cpp's binaries.
+
+# %%
+peer = read_csv(REPO / "days" / "day61" / "day-61-peer.csv")
+cols = ["variant", "step", "tok_s", "vs_llama_server", "tokens_vs_llama_server", "fused_vs_ops"]
+cols += ["top2_gap_there"]
+print(" | ".join(cols))
+for r in peer:
+    print(" | ".join(r[c] for c in cols))
+print(peer[0]["cpu"])
+peer_rate = {(r["variant"], r["step"]): float(r["tok_s"]) for r in peer}
+for acts in ("fp32", "int8"):
+    ops, fused = peer_rate[(f"q4_1/{acts}", "ops")], peer_rate[(f"q4_1/{acts}", "fused")]
+    print(f"q4_1/{acts}: fused / ops = {fused / ops:.2f}")
+    assert fused > ops, f"q4_1/{acts}: the fused step is not faster than the ops step"
+parts = {(r["variant"], r["step"]): r["fused_vs_ops"] for r in peer}
+assert parts[("q4_1/fp32", "ops")] == parts[("q4_1/fp32", "fused")] == "equal"  # fp32 activations
+int8 = next(r for r in peer if (r["variant"], r["step"]) == ("q4_1/int8", "fused"))
+assert int8["fused_vs_ops"] == "equal" or float(int8["top2_gap_there"]) < 0.1  # a near tie, if anywhere
+
+# %% [markdown]
+# The fused step lifts both kinds of activation: with fp32 activations from 175.1 to 255.6 tok/s
+# (1.46x), with int8 activations from 231.4 to 385.0 (1.66x). llama-server decoded at 204.4
+# tok/s (llama-bench, which decodes from an empty context, at 215.9). Only one row of ours is
+# behind llama-server, Q4_1 with fp32 activations on the ops step (0.86x); the fused step with
+# int8 activations, the arithmetic llama.cpp itself uses for these blocks, is 1.88x. The run
+# was on a 2-core AVX-512 EPYC with 2 threads, as the `cpu` line says.
+#
+# The tokens: every row of ours parts from llama-server at index 0. Day 60 showed why: on this
+# prompt the fp32 model's first token is a contest ("A" at 0.249 against "When" at 0.194), and
+# llama-server takes the other side. Between our own steps, fp32 activations give the same 64
+# tokens on both: the two steps sum the same products in other orders, and over these 64 tokens
+# the last-place differences that leaves never tipped a token. With int8 activations the steps
+# part at index 41, where the top two logits were 0.039 apart (the same index at which day 60's
+# q4_1/int8 parted from the fp32 model). Rounding an activation to int8 is a step function: a
+# sum that lands a hair differently because the fused step adds in another order can move one
+# activation a whole int8 step, and at a gap of 0.039 that is enough to swap the top two.
+
+# %% [markdown]
+# ## 5. The compiler's way, from the script
 #
 # `torch.compile` (inductor, default mode) is the other way to remove per-op cost: trace the ops
 # into graphs and generate fused C++ for them. The script tried it on the ops path's forward at
@@ -205,14 +265,21 @@ for weights in ("q4_1", "fp32"):
 with open(REPO / "days" / "day61" / "day-61-compile.csv") as f:
     compiled = next(csv.DictReader(f))
 for key, value in compiled.items():
+    if key == "cpu":
+        print(value)
+        continue
     unit = " ms" if key.endswith("_ms") else " s" if key.endswith("_s") else ""
     print(f"{key:>13}: {value}{unit}")
 
 # %% [markdown]
-# The fused step needs no such per-shape setup: it is one C++ function built once per machine and
-# source (`nanoserve.kernels`, on first use), and any batch or width runs through it.
+# Dynamo found 24 graphs and 23 breaks; the first, in sorted order, is a call it may not trace
+# (the pybind attention kernel). The first call took 18.8 s, and the compiled forward then ran
+# in 19.09 ms against 19.22 eager, with logits within 2.2e-05 of eager's: between the breaks there
+# is too little left to fuse for the per-op cost to go. The fused step needs no such per-shape
+# setup: it is one C++ function built once per machine and source (`nanoserve.kernels`, on
+# first use), and any batch or width runs through it.
 #
-# ## 5. The same step, two ways: logits and tokens
+# ## 6. The same step, two ways: logits and tokens
 #
 # The test in tests/test_quant.py does this on a tiny model; here it is SmolLM2. Two requests are
 # prefilled, the next decode plan is built, the pools are copied, the fused step runs, the pools
@@ -308,7 +375,7 @@ for name, eng in (
     assert whole == int(csv_row("q4_1", 1, name)["ops_step"])
 
 # %% [markdown]
-# ## 6. A fused step built wrong
+# ## 7. A fused step built wrong
 #
 # The fused step writes each row's new K/V at the plan's `write_slots` and then attends over the
 # row's slot window, which ends at that slot. A version that writes one slot further on leaves
@@ -329,7 +396,7 @@ except AssertionError as e:
     print("caught: K/V written one slot off ->", e)
 
 # %% [markdown]
-# ## 7. The diagram
+# ## 8. The diagram
 #
 # Per weights and path, ms a token split into the weights' read at the measured bandwidth
 # (shared among the rows) and everything else, at 1 row and at 16 rows.
@@ -378,7 +445,7 @@ display(Image(filename=png))
 # * **torch.compile / inductor** traces the torch ops into FX graphs and, on CPU, generates C++
 #   with OpenMP loops (the `cpp` backend), fusing the elementwise glue (norms, SiLU, residuals)
 #   into a few kernels. On the ops path here it breaks the graph at the calls into our pybind
-#   kernels, among other places; section 4's CSV counts the breaks.
+#   kernels, among other places; section 5's CSV counts the breaks.
 # * **TensorRT-LLM** compiles the model into an engine of fused kernels (fused QKV with rotary,
 #   fused attention, fused MLP activations, and a GEMM plus bias plus activation plugin) and, on
 #   top, can capture the generation step in CUDA graphs.
@@ -390,7 +457,7 @@ display(Image(filename=png))
 #    while `step_ms` more than doubles, and find the first row count at which `speedup` falls
 #    under 1.2.
 # 2. Break the rotary instead of the K/V write: set `model.cos = torch.roll(model.cos, 1, 0)`
-#    (and `sin`), reset `model._fused = None`, and run `same_step(model)`: the assert of section 5
+#    (and `sin`), reset `model._fused = None`, and run `same_step(model)`: the assert of section 6
 #    must fail with a difference above `TOL`.
 # 3. Count the ops of one *prefill* step of a fused engine with `fusedbench.OpCount` and check that
 #    it equals the ops engine's (prefill stays on torch ops).

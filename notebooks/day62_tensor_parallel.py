@@ -419,15 +419,19 @@ assert two["collectives"] == expected * len(calls) + 2
 # ## 5. The default model on 3 ranks: `days/day62/tpmemory.py`
 #
 # The script runs the same `python -m nanoserve generate` command (24 tokens, one thread a
-# process) as one process and as 3 ranks, three times each, alternating, and keeps the best
-# decode rate of each; the machine was shared with other jobs during the run. Its CSV, one row
-# a rank:
+# process, `--weights dtype`) as one process and as 3 ranks, three times each, alternating, and
+# keeps the best decode rate of each. `--weights dtype` makes both sides run the fp32 conversion
+# of the checkpoint: without it a single process on a CPU serves the GGUF's own quantized blocks
+# (day 60's default), which a rank cannot split, and the two sides would be different models.
+# Its CSV, one row a rank, and the CPU line the CSV records for the run:
 
 # %%
 cols = ["ranks", "rank", "weight_mb", "kv_pool_mb", "kv_tokens", "decode_tok_s", "text_equal"]
 print(" | ".join(cols))
 for r in CSV:
     print(" | ".join(r[c] if c != "decode_tok_s" else f"{r[c]} tok/s" for c in cols))
+print(CSV[0]["cpu"])
+assert len({r["cpu"] for r in CSV}) == 1  # one machine, one thread a process, for every row
 one_row, rank_rows = CSV[0], CSV[1:]
 w1, wr = float(one_row["weight_mb"]), float(rank_rows[0]["weight_mb"])
 k1, kr = float(one_row["kv_pool_mb"]), float(rank_rows[0]["kv_pool_mb"])
@@ -474,21 +478,20 @@ assert extra * RANKS == 2 * norm_bytes
 # %% [markdown]
 # The norms are the only weights a rank holds in full, and they are why a rank's parameters
 # come to 93,696 bytes more than a third. The decode rate is the other side of the bargain, and
-# on this machine it is much worse: 3 ranks ran at about a quarter of one process's rate. Three
-# things work against it here, none of which the split itself can fix:
+# on this machine it is far worse: on the same fp32 model, 3 ranks decoded at 5.1 tok/s against
+# one process's 40.0, 0.13x. What the outputs show about why:
 #
-# * three single-threaded processes share 2 cores (and, during this run, other jobs), so a rank
-#   that is ready for the next all-reduce can find the rank it waits for without a core;
-# * each step is 63 collectives through gloo over loopback TCP, each a round trip through the
-#   kernel's network stack, and each one waits for the slowest rank;
-# * the arithmetic a rank saves is small: a third of one process's step is 35 ms, and the 3-rank
-#   step took 435 ms. Spread over the 63 collectives the difference is about 6 ms each, if all of
-#   it went there, for about 206 KB of data a step: time spent waiting, not moving bytes.
+# * the CPU line says each process ran on 1 thread, and the machine has 2 cores, so the 3 ranks
+#   share 2 cores between them, where the single process had a core to itself;
+# * each step is 63 collectives through gloo (section 1), and each one waits for every rank;
+# * the arithmetic a rank saves is small next to what it lost: a third of one process's 25 ms
+#   step is 8 ms, and the 3-rank step took 196 ms. Spread over the 63 collectives the difference
+#   comes to 3.0 ms each, if all of it went there, for about 206 KB of data a step.
 #
-# Tensor parallelism buys memory first; speed comes when each rank has a device of its own and
-# the collectives run over a fast link (NVLink), where a rank reading a third of the weights
-# takes about a third of the time. This machine can show the memory and the equality, not the
-# speed.
+# The run does not measure how those 196 ms divide between waiting for a core and waiting in
+# the collectives; it shows only that the total is far above a third of one process's step.
+# Tensor parallelism buys memory first; this machine can show the memory and the equality, not
+# a gain in speed.
 #
 # ## 6. A split that is wrong, caught
 #
@@ -567,7 +570,8 @@ ax.set_xticks(list(xs), labels)
 ax.set_ylabel("MB a process")
 ax.set_ylim(0, 760)
 ax.set_title(
-    f"MB a process holds (tpmemory.py)\ndecode {s1} -> {sr} tok/s, 2 shared cores, 1 thread a process",
+    f"MB a process holds (tpmemory.py)\n"
+    f"fp32 decode {s1} -> {sr} tok/s ({sr / s1:.2f}x), 1 thread a process on 2 cores",
     fontsize=11,
 )
 ax.legend(loc="upper right", fontsize=9)
@@ -594,7 +598,7 @@ display(Image(filename=png))
 #   (`device_communicators/custom_all_reduce.py`; `--disable-custom-all-reduce` turns it off),
 #   because at decode sizes latency, not bandwidth, dominates, as section 1 found. On CPU,
 #   `CpuCommunicator` swaps gloo for a shared-memory all-reduce (`shm_allreduce`) when the ranks
-#   share a machine: the fix for the loopback round trips of section 5.
+#   share a machine, in place of gloo's exchanges between processes, the setting of section 5.
 # * **nano-vllm** keeps the same classes in miniature (`nanovllm/layers/linear.py`,
 #   `embed_head.py`): its `VocabParallelEmbedding` masks tokens outside the rank's range and
 #   all-reduces, and `ParallelLMHead` gathers logits on rank 0 with `dist.gather`, as ours does;

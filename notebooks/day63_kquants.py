@@ -483,6 +483,7 @@ for a, b in zip(types, live):
 print(" | ".join(cols + ["torch_ms", "gguf_ms"]))
 for r in types:
     print(" | ".join(r[c] for c in cols + ["torch_ms", "gguf_ms"]))
+print("the script's timings were measured on:", types[0]["cpu"])
 
 # %%
 rows = kquantbench.qwen_rows(reader)
@@ -496,10 +497,16 @@ for r in rows:
 # Every difference is zero: the by-hand decoders over 64 blocks of each type, and the torch
 # decoders over two tensors of each type the file holds, equal gguf's to the bit. The K-quants
 # are 6.1% (Q4_K) and 8.8% (Q6_K) of the file's bytes; Q5_0 is 54.9% and Q8_0 30.1%, most of
-# that the output matrix. In the script's run gguf's numpy decoding was several times faster
-# than `nanoserve.kquants` on every type it timed (the last two columns, milliseconds for one
-# tensor). The torch version makes several passes over small integer tensors; it is a
-# reference the engine can be checked against, not yet a fast path.
+# that the output matrix.
+#
+# The last two columns are milliseconds for decoding one tensor of 4,358,144 values, timed by
+# the script on a 2-core AMD EPYC with AVX-512, at 2 threads (its cpu line is printed above). Which of
+# the two decoders is quicker depends on the type. For the K-quants `nanoserve.kquants` was the
+# faster: 2.2 ms against gguf's 7.4 for Q4_K, 4.0 against 8.3 for Q6_K. For Q5_0 it was the
+# slower, 60.0 ms against 14.4. Reading `kquants.py` suggests where to look: its K-quant paths
+# keep the codes in bytes until one widening to float32, while its Q5_0 path builds the fifth
+# bits as 64-bit integers, 32 of them for every block. These are the timings of one run, not
+# facts the notebook checks.
 #
 # ## 8. The diagram
 

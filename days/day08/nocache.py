@@ -222,11 +222,11 @@ def main(argv=None) -> None:
     rows = greedy_rows(model, tok, args.prompt or PROMPTS, args.max_tokens)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, out / 'day-08-greedy.csv')}")
+    print(f"wrote {write_csv(rows, out / 'day-08-greedy.csv', cpu=True)}")
     steps = step_rows(model, tuple(args.length or LENGTHS), args.repeats)
     for r in steps:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(steps, out / 'day-08-steps.csv')} (threads={torch.get_num_threads()})")
+    print(f"wrote {write_csv(steps, out / 'day-08-steps.csv', cpu=True)}")
     a, b, c = fit_quadratic([r["length"] for r in steps], [float(r["nocache_ms"]) / 1e3 for r in steps])
     print(f"nocache step fit: {1e3 * a:.1f} ms + {1e6 * b:.1f} us x L + {1e9 * c:.2f} ns x L^2")
 

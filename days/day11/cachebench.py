@@ -183,7 +183,7 @@ def main(argv=None) -> None:
     rows = bench(model, args.lengths, args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, args.out_bench)}")
+    print(f"wrote {write_csv(rows, args.out_bench, cpu=True)}")
     same = sum(r["identical"] == "yes" for r in equal)
     speed = " ".join(f"L{r['length']}={r['speedup']}x" for r in rows)
     print(f"cachebench identical={same}/{len(equal)} {speed}")

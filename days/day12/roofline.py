@@ -207,7 +207,7 @@ def main(argv=None) -> None:
         lin = linear_rows(model, threads=max(args.threads))
         for r in lin:
             print(", ".join(f"{k}={v}" for k, v in r.items()))
-        print(f"wrote {write_csv(lin, args.out_linear)}")
+        print(f"wrote {write_csv(lin, args.out_linear, cpu=True)}")
     if args.skip == "roofline":
         return
     rows = roofline(model_dir, args.dtypes, args.threads, args.tokens, {"float32": model}, args.repeats)
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
             f"{r['roofline_tok_s']:6.1f} tok/s ({r['bandwidth_gb_s']} GB/s / {r['weight_mb']} MB) = "
             f"{r['fraction']:.2f}, {r['achieved_gb_s']} GB/s achieved"
         )
-    print(f"wrote {write_csv(rows, args.out_roofline)}")
+    print(f"wrote {write_csv(rows, args.out_roofline, cpu=True)}")
     print("roofline " + " ".join(f"{r['dtype']}/{r['threads']}t={r['fraction']}" for r in rows))
 
 

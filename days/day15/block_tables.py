@@ -269,7 +269,7 @@ def main(argv=None) -> None:
     ):
         for r in rows:
             print(", ".join(f"{k}={v}" for k, v in r.items()))
-        print(f"wrote {write_csv(rows, out)}")
+        print(f"wrote {write_csv(rows, out, cpu=out == args.out_window)}")
 
 
 if __name__ == "__main__":

@@ -260,7 +260,7 @@ def main(argv=None) -> None:
         print(name)
         for r in rows:
             print("  ", ", ".join(f"{k}={v}" for k, v in r.items()))
-        print(f"wrote {write_csv(rows, out)}")
+        print(f"wrote {write_csv(rows, out, cpu=name == 'write')}")
 
 
 if __name__ == "__main__":

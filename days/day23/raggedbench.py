@@ -174,7 +174,7 @@ def main(argv=None) -> None:
     rows = table(model, named, args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv([r | {'cpu': cpu_line()} for r in rows], args.out)}")
+    print(f"wrote {write_csv(rows, args.out, cpu=True)}")
 
 
 if __name__ == "__main__":

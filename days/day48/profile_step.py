@@ -441,7 +441,7 @@ def main(argv=None) -> None:
     out = table(profiles, model.cfg)
     for r in out:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(out, args.out)}")
+    print(f"wrote {write_csv(out, args.out, cpu=True)}")
 
 
 if __name__ == "__main__":

@@ -294,7 +294,7 @@ def main(argv=None) -> None:
     rows = bench(models, peaks, args.batch or BATCHES, args.steps)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, args.out)}")
+    print(f"wrote {write_csv(rows, args.out, cpu=True)}")
     tiny = min(rows, key=lambda r: (r["params_m"], r["batch"]))
     print(
         f"launch threads={torch.get_num_threads()} tiniest={tiny['model']} batch={tiny['batch']} "

@@ -215,7 +215,7 @@ def main(argv=None) -> None:
     rows = window_table(args.rows, args.widths, args.repeats)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, args.out)}")
+    print(f"wrote {write_csv(rows, args.out, cpu=True)}")
     big = rows[-1]
     print(
         f"window rows={big['rows']} width={big['width']} bytes={big['window_bytes']} "

@@ -188,7 +188,7 @@ def main(argv=None) -> None:
     rows = measure(tiny_model(), args.requests, args.generated)
     for r in rows:
         print(", ".join(f"{k}={v}" for k, v in r.items()))
-    print(f"wrote {write_csv(rows, args.out)}")
+    print(f"wrote {write_csv(rows, args.out, cpu=True)}")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     rows = capture_table(tuple(args.lengths), args.rows, args.prompt_len, args.width_multiple)
     for row in rows:
         assert row["cold_captures"] == row["predicted"] and row["same_tokens"] == "yes", row
-    write_csv(rows, args.out)
+    write_csv(rows, args.out, cpu=True)
     for row in rows:
         print(row)
     print(f"{args.out.name} written in {time.perf_counter() - t0:.1f} s")

@@ -18,7 +18,7 @@ import argparse
 import time
 from pathlib import Path
 
-from nanocourse import cpu_line, engine_config, write_csv
+from nanocourse import engine_config, write_csv
 from nanoserve.buckets import bucket_up, width_buckets
 from nanoserve.engine import build_engine
 from nanoserve.sampling import SamplingParams
@@ -110,7 +110,7 @@ def main() -> None:
     rows = boot_table(args.model, args.max_batch, [None, *args.widths], args.tokens, args.max_model_len)
     for row in rows:
         print(row)
-    write_csv([row | {"cpu": cpu_line()} for row in rows], args.out)
+    write_csv(rows, args.out, cpu=True)
 
 
 if __name__ == "__main__":

@@ -294,7 +294,7 @@ def main(argv=None) -> None:
     if not args.skip_step:
         tables["day-58-step.csv"], tables["day-58-profile.csv"] = step_table(reps=args.step_reps)
     for name, rows in tables.items():
-        write_csv(rows, HERE / name)
+        write_csv(rows, HERE / name, cpu=name != "day-58-bytes.csv")
         print(name)
         for row in rows:
             print("  ", row)

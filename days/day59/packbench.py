@@ -573,7 +573,7 @@ def main(argv=None) -> None:
     if not args.skip_step:
         tables["day-59-step.csv"], tables["day-59-profile.csv"] = step_table(args.contexts, args.step_reps)
     for name, rows in tables.items():
-        write_csv(rows, HERE / name)
+        write_csv(rows, HERE / name, cpu=True)
         print(name)
         for row in rows:
             print("  ", row)

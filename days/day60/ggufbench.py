@@ -3,11 +3,11 @@
 Two tables, one CSV each:
 
 * `day-60-decode.csv`: greedy batch-1 decode of `nanoserve.bench.DECODE_PROMPT` (chat template,
-  `--tokens` tokens past the prompt, EOS ignored) for five variants of the engine, which take
-  turns `--reps` times; each keeps its best rate (`nanoserve.bench.decode_rate`: prefill taken
-  out). fp32 on torch ops (Day 12's plain linears) and as one fused native call; the default
-  GGUF's Q4_1 blocks with fp32 activations, fused and on torch ops; the same blocks with int8
-  activations, fused. Each row has the bytes of weights a token reads, the roofline those bytes
+  `--tokens` tokens past the prompt, EOS ignored) for three variants of the engine of the day
+  (the decode step as torch ops; day 61 builds the fused one), which take turns `--reps` times;
+  each keeps its best rate (`nanoserve.bench.decode_rate`: prefill taken out): fp32 (Day 12's
+  plain linears), the default GGUF's Q4_1 blocks with fp32 activations, and the same blocks with
+  int8 activations. Each row has the bytes of weights a token reads, the roofline those bytes
   allow at the read bandwidth measured in the same run (`read_bandwidth_gbs`), and where its
   tokens part from the fp32 model's. With `--llama-server BIN` / `--llama-bench BIN`, llama.cpp's
   rates on the same file and prompt are rows too (`llama_server_decode`, `llama_bench_decode`),
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from nanocourse import write_csv
+from nanocourse import engine_config, write_csv
 from nanoserve.bench import (
     DECODE_PROMPT,
     cpu_line,
@@ -41,7 +41,6 @@ from nanoserve.bench import (
     llama_server_decode,
     read_bandwidth_gbs,
 )
-from nanoserve.config import EngineConfig
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes
 from nanoserve.tokenizer import Tokenizer
@@ -49,19 +48,18 @@ from nanoserve.weights import fetch_default_gguf, fetch_default_model
 
 HERE = Path(__file__).resolve().parent
 FRANCE = "What is the capital of France?"
-# (name, weights, decode step): the engine's batch-1 variants, in the order they take turns
+# (name, weights, decode step): the engine's batch-1 variants, in the order they take turns; the
+# step is day 60's, torch ops (day 61's benchmark adds the fused step to the same comparison)
 VARIANTS = [
     ("fp32", "fp32", "ops"),
-    ("fp32", "fp32", "fused"),
     ("q4_1/fp32", "q4_1/fp32", "ops"),
-    ("q4_1/fp32", "q4_1/fp32", "fused"),
-    ("q4_1/int8", "q4_1/int8", "fused"),
+    ("q4_1/int8", "q4_1/int8", "ops"),
 ]
 
 
 def models(model_dir: Path, gguf: Path) -> dict:
-    """The three weight sets: the fp32 conversion (plain linears, so it can also run fused) and
-    the GGUF's own blocks with fp32 and with int8 activations."""
+    """The three weight sets: the fp32 conversion (plain linears, Day 12's) and the GGUF's own
+    blocks with fp32 and with int8 activations."""
     cfg = LlamaConfig.from_dir(model_dir)
     return {
         "fp32": load_model(model_dir),
@@ -70,9 +68,11 @@ def models(model_dir: Path, gguf: Path) -> dict:
     }
 
 
-def engine(model, tok, step: str) -> Engine:
-    """A batch-1 engine; linear="plain" keeps the fp32 model as loaded (packing is in place)."""
-    return Engine(model, tok, EngineConfig(max_batch=1, decode_step=step, linear="plain"))
+def engine(model, tok, step: str = "ops") -> Engine:
+    """A batch-1 engine of day 60, its decode step torch ops and its linears plain (the fp32
+    model runs as loaded: day 59's packing would pack it in place)."""
+    assert step == "ops", "the fused step is day 61's (days/day61/fusedbench.py)"
+    return Engine(model, tok, engine_config(60, max_batch=1, linear="plain"))
 
 
 def same(tokens, reference) -> str:
@@ -107,7 +107,7 @@ def decode_table(ms, tok, n_tokens, reps, bandwidth, llama_server=None, llama_be
                 "vs_fp32": same(tokens[(name, step)], reference),
             }
         )
-    q4 = rows[3]["weight_mb"]  # llama.cpp reads the same file's blocks
+    q4 = rows[1]["weight_mb"]  # llama.cpp reads the same file's blocks
     peer_tokens = None
     if llama_server:
         rate, peer_tokens = llama_server_decode(llama_server, fetch_default_gguf(), prompt, n_tokens, threads)
@@ -118,7 +118,7 @@ def decode_table(ms, tok, n_tokens, reps, bandwidth, llama_server=None, llama_be
                 "weight_mb": q4,
                 "tokens": n_tokens,
                 "tok_s": round(rate, 1),
-                "roofline_tok_s": rows[3]["roofline_tok_s"],
+                "roofline_tok_s": rows[1]["roofline_tok_s"],
                 "read_gbs": round(bandwidth, 1),
                 "threads": threads,
                 "vs_fp32": same(peer_tokens, reference),
@@ -133,7 +133,7 @@ def decode_table(ms, tok, n_tokens, reps, bandwidth, llama_server=None, llama_be
                 "weight_mb": q4,
                 "tokens": n_tokens,
                 "tok_s": round(rate, 1),
-                "roofline_tok_s": rows[3]["roofline_tok_s"],
+                "roofline_tok_s": rows[1]["roofline_tok_s"],
                 "read_gbs": round(bandwidth, 1),
                 "threads": threads,
                 "vs_fp32": "n/a (empty context)",
@@ -146,16 +146,16 @@ def decode_table(ms, tok, n_tokens, reps, bandwidth, llama_server=None, llama_be
         )
         if r["variant"] == "llama-server":
             r["vs_llama_server"] = "equal"
-        r["vs_q4_1_fused"] = round(r["tok_s"] / rows[3]["tok_s"], 2)
+        r["vs_q4_1"] = round(r["tok_s"] / rows[1]["tok_s"], 2)
     return rows
 
 
 def france_tokens(ms, tok, n_tokens) -> dict:
-    """The engine's greedy tokens for the France prompt, per weight set (fused where it runs)."""
+    """The engine's greedy tokens for the France prompt, per weight set."""
     prompt = tok.encode_chat([{"role": "user", "content": FRANCE}])
-    out = {"fp32": engine_tokens_of(engine(ms["fp32"], tok, "ops"), prompt, n_tokens)}
-    for w in ("q4_1/fp32", "q4_1/int8"):
-        out[w] = engine_tokens_of(engine(ms[w], tok, "fused"), prompt, n_tokens)
+    out = {
+        w: engine_tokens_of(engine(ms[w], tok), prompt, n_tokens) for w in ("fp32", "q4_1/fp32", "q4_1/int8")
+    }
     return out
 
 
@@ -204,7 +204,7 @@ def main(argv=None) -> None:
         ),
     }
     for name, rows in tables.items():
-        write_csv(rows, HERE / name)
+        write_csv(rows, HERE / name, cpu=name == "day-60-decode.csv")
         print(name)
         for row in rows:
             print("  ", row)

@@ -11,12 +11,20 @@ packed layout). For each (weights, rows, step):
 * the step's wall time, the best of `reps` steps, the two engines alternating step by step;
 * the weights' bytes and what reading them once costs at the measured read bandwidth.
 
+`day-61-peer.csv` (with `--llama-server BIN`, optionally `--llama-bench BIN`) is day 60's
+batch-1 comparison with llama.cpp again, now with the fused step: greedy decode of
+`nanoserve.bench.DECODE_PROMPT`, 64 tokens past the prompt, the GGUF's Q4_1 blocks with fp32 and
+with int8 activations, each on both steps; the four engines take three turns, each keeps its
+best rate (`decode_rate`, prefill taken out), then llama-server and llama-bench on the same file.
+
 `day-61-compile.csv` is the other way to remove per-op cost: `torch.compile` (inductor, default
 mode) on the ops path's forward at batch 1, fp32: `torch._dynamo.explain`'s graphs and breaks,
 the first call's seconds, and the step after.
 
     python days/day61/fusedbench.py                    # rows 1, 4, 16; both weights; compile
     python days/day61/fusedbench.py --rows 1 --reps 5 --no-compile --out /tmp/f.csv
+    LD_LIBRARY_PATH=BIN_DIR python days/day61/fusedbench.py --peer-only \
+        --llama-server BIN_DIR/llama-server --llama-bench BIN_DIR/llama-bench
 """
 
 from __future__ import annotations
@@ -28,8 +36,17 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanocourse import engine_config, write_csv
-from nanoserve.bench import cpu_line, read_bandwidth_gbs
+from nanocourse import engine_config, top2_gap, write_csv
+from nanoserve.bench import (
+    DECODE_PROMPT,
+    cpu_line,
+    decode_rate,
+    engine_tokens_of,
+    first_difference,
+    llama_bench_decode,
+    llama_server_decode,
+    read_bandwidth_gbs,
+)
 from nanoserve.engine import Engine
 from nanoserve.models import LlamaConfig, load_gguf_model, load_model, model_weight_bytes
 from nanoserve.sampling import SamplingParams
@@ -39,6 +56,7 @@ from nanoserve.weights import fetch_default_gguf, fetch_default_model
 HERE = Path(__file__).resolve().parent
 CSV = HERE / "day-61-fused.csv"
 COMPILE_CSV = HERE / "day-61-compile.csv"
+PEER_CSV = HERE / "day-61-peer.csv"
 QUESTIONS = (
     "What is 2 + 2?",
     "Name a colour.",
@@ -187,6 +205,64 @@ def compile_row(model, tok, reps: int) -> dict:
     return row
 
 
+def peer_table(llama_server: str, llama_bench: str | None, n_tokens: int = 64, reps: int = 3) -> list[dict]:
+    """Batch-1 decode rates of the Q4_1 engines (fp32 and int8 activations, ops and fused steps)
+    and of llama.cpp on the same file and prompt; with fp32 activations both steps give the same
+    tokens."""
+    model_dir, gguf = fetch_default_model(), fetch_default_gguf()
+    cfg, tok = LlamaConfig.from_dir(model_dir), Tokenizer.from_dir(model_dir)
+    prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
+    engines, models = {}, {}
+    for acts in ("fp32", "int8"):
+        model = models[acts] = load_gguf_model(gguf, cfg, "q4_1", acts)
+        for step in ("ops", "fused"):
+            config = engine_config(61, max_batch=1, decode_step=step, linear="plain")
+            engines[(f"q4_1/{acts}", step)] = Engine(model, tok, config)
+    best, tokens = {}, {}
+    for _ in range(reps):  # the engines take turns; each keeps its best
+        for key, eng in engines.items():
+            rate, toks = decode_rate(lambda n, e=eng: engine_tokens_of(e, prompt, n), n_tokens)
+            best[key] = max(best.get(key, 0.0), rate)
+            assert tokens.setdefault(key, toks) == toks, f"{key} gave other tokens on another turn"
+    # the two steps sum the same products in other orders: fp32 activations must give the same
+    # tokens; int8 activations may part at a near tie (a rounding moves an activation one int8
+    # step), and the table says where, and how far apart the top two logits were there
+    parted = {}
+    for acts in ("fp32", "int8"):
+        ops, fused = tokens[(f"q4_1/{acts}", "ops")], tokens[(f"q4_1/{acts}", "fused")]
+        p = first_difference(ops, fused)
+        assert p is None or acts == "int8", f"fp32 activations: the fused step parts from the ops step at {p}"
+        if p is not None:
+            parted[f"q4_1/{acts}"] = (p, round(top2_gap(models[acts], prompt + ops[:p]), 3))
+    rate, peer = llama_server_decode(llama_server, gguf, prompt, n_tokens, torch.get_num_threads())
+    best[("llama-server", "llama.cpp")], tokens[("llama-server", "llama.cpp")] = rate, peer
+    if llama_bench:
+        best[("llama-bench", "llama.cpp")] = llama_bench_decode(
+            llama_bench, gguf, n_tokens, torch.get_num_threads()
+        )
+    rows = []
+    for (variant, step), r in best.items():
+        d = first_difference(tokens[(variant, step)], peer) if (variant, step) in tokens else "n/a"
+        p, gap = parted.get(variant, (None, ""))
+        rows.append(
+            {
+                "variant": variant,
+                "step": step,
+                "tokens": n_tokens,
+                "tok_s": round(r, 1),
+                "vs_llama_server": round(r / best[("llama-server", "llama.cpp")], 2),
+                "tokens_vs_llama_server": "equal"
+                if d is None
+                else "n/a (empty context)"
+                if d == "n/a"
+                else f"differ at {d}",
+                "fused_vs_ops": "n/a" if step == "llama.cpp" else "equal" if p is None else f"differ at {p}",
+                "top2_gap_there": gap,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, action="append", help="decode rows (repeatable; default 1 4 16)")
@@ -194,9 +270,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=12, help="steps timed per engine, best taken")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", type=Path, default=CSV)
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: writes day-61-peer.csv")
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench binary (a row of day-61-peer.csv)")
+    ap.add_argument("--peer-only", action="store_true", help="only day-61-peer.csv")
     args = ap.parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(2)
     print(cpu_line())
+    if args.llama_server:
+        peer = peer_table(args.llama_server, args.llama_bench)
+        for row in peer:
+            print(row)
+        print(f"wrote {write_csv(peer, PEER_CSV, cpu=True)}")
+    if args.peer_only:
+        return
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s")
     rows = []
@@ -210,8 +297,8 @@ def main() -> None:
         if weights == "fp32" and not args.no_compile:
             crow = compile_row(model, tok, args.reps)
             print(crow)
-            write_csv([crow], COMPILE_CSV)
-    write_csv(rows, args.out)
+            write_csv([crow], COMPILE_CSV, cpu=True)
+    write_csv(rows, args.out, cpu=True)
     print(f"wrote {args.out}")
 
 

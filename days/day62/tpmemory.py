@@ -1,10 +1,10 @@
 """Day 62's benchmark: SmolLM2-135M in one process against the same model split over 3 ranks.
 
 Both sides run the same command, `python -m nanoserve generate PROMPT --max-tokens N
---ignore-eos --threads 1`, through `nanoserve.bench.tp_generate`: once as a single process and
-once as 3 ranks started by `nanoserve.tp.spawn` with torchrun's variables (gloo on the CPU). The
-runs alternate, `reps` times each, and the best decode rate of each side is kept, since the
-machine is shared.
+--ignore-eos --threads 1 --weights dtype` (the fp32 conversion on both sides), through
+`nanoserve.bench.tp_generate`: once as a single process and once as 3 ranks started by
+`nanoserve.tp.spawn` with torchrun's variables (gloo on the CPU). The runs alternate, `reps`
+times each, and the best decode rate of each side is kept, since the machine is shared.
 
 One row per rank (the single process is rank 0 of 1):
 
@@ -47,7 +47,9 @@ def one_process_share() -> dict:
 
 
 def measure(ranks: int = 3, tokens: int = 24, reps: int = 3, prompt: str = PROMPT) -> list[dict]:
-    args = [prompt, "--max-tokens", str(tokens), "--ignore-eos", "--threads", "1"]
+    # --weights dtype: both sides run the converted fp32 model (a single process on a CPU would
+    # otherwise serve the GGUF's own blocks, day 60's default, which a rank cannot split)
+    args = [prompt, "--max-tokens", str(tokens), "--ignore-eos", "--threads", "1", "--weights", "dtype"]
     texts: dict[int, list[str]] = {1: [], ranks: []}
     rates: dict[int, list[float]] = {1: [], ranks: []}
     shares = []
@@ -86,7 +88,7 @@ def main() -> None:
         f"(one process {one['kv_pool_mb']}), decode {many[0]['decode_tok_s'] / one['decode_tok_s']:.2f}x, "
         f"text equal {all(r['text_equal'] for r in rows)}"
     )
-    write_csv(rows, args.out)
+    write_csv(rows, args.out, cpu=True)
 
 
 if __name__ == "__main__":

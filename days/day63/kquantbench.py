@@ -424,7 +424,7 @@ def main() -> None:
     torch.set_num_threads(2)
     reader = open_qwen()
     types = type_rows(reader, args.blocks, args.tensors, args.reps)
-    print(write_csv(types, HERE / "day-63-types.csv"))
+    print(write_csv(types, HERE / "day-63-types.csv", cpu=True))
     for r in types:
         print(r)
     qwen = qwen_rows(reader)
