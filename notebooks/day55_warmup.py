@@ -460,7 +460,7 @@ pricing = warmbench.pricing_table()
 print(" | ".join(pricing[0]))
 for row in pricing:
     print(" | ".join(str(v) for v in row.values()))
-with open(warmbench.HERE / "day-55-pricing.csv") as f:  # its columns, the cpu column aside
+with open(warmbench.HERE / "day-55-pricing.csv") as f:
     assert [{k: str(v) for k, v in r.items()} for r in pricing] == [
         {k: r[k] for k in pricing[0]} for r in csv.DictReader(f)
     ]

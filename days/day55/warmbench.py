@@ -137,7 +137,7 @@ def main(argv=None) -> None:
         "day-55-budget.csv": budget_table(),
     }
     for name, rows in tables.items():
-        write_csv(rows, HERE / name, cpu=name != "day-55-budget.csv")
+        write_csv(rows, HERE / name, cpu=name == "day-55-warmbench.csv")  # the other two are arithmetic
         print(name)
         for row in rows:
             print("  ", row)
