@@ -142,7 +142,7 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> tuple[di
         if plain.fused_status() is None:
             fused = Engine(plain, tok, EngineConfig(max_batch=1, decode_step="fused"))
             fused_rate, fused_tokens = decode_rate(lambda n: engine_tokens_of(fused, prompt, n), n_tokens)
-            fused_same = first_difference(fused_tokens, ours_tokens)
+            fused_same = agreement(fused_tokens, ours_tokens)
         plain = fused = None
     ours = None  # free its memory before loading the peer
 
@@ -176,9 +176,7 @@ def bench_decode(model_dir: Path, dtype: torch.dtype, n_tokens: int) -> tuple[di
         "fused_ratio": None if fused_rate is None else round(fused_rate / hf_rate, 2),
         "weight_mb": round(weight_bytes / 1e6, 1),
         "first_token_difference": "none" if same is None else same,
-        "fused_vs_eager": "n/a"
-        if fused_rate is None
-        else ("equal" if fused_same is None else f"differ at {fused_same}"),
+        "fused_vs_eager": "n/a" if fused_rate is None else fused_same,
     }, ours_tokens
 
 
@@ -225,6 +223,27 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def agreement(a: list, b: list) -> str:
+    """How two token lists compare, as the benchmarks' tables write it: 'equal', or 'differ at N'
+    with N where they first part (`first_difference`)."""
+    d = first_difference(a, b)
+    return "equal" if d is None else f"differ at {d}"
+
+
+def decode_turns(engines: dict, prompt: list[int], n_tokens: int, reps: int) -> tuple[dict, dict]:
+    """Batch-1 decode of `prompt` by several engines taking turns, `reps` turns each, so that a
+    noisy stretch of the machine falls on all of them: ({key: best rate (`decode_rate`)}, {key:
+    greedy tokens}); an engine whose tokens change from one turn to the next fails."""
+    best: dict = {}
+    tokens: dict = {}
+    for _ in range(reps):
+        for key, eng in engines.items():
+            rate, toks = decode_rate(lambda n, e=eng: engine_tokens_of(e, prompt, n), n_tokens)
+            best[key] = max(best.get(key, 0.0), rate)
+            assert tokens.setdefault(key, toks) == toks, f"{key} gave other tokens on another turn"
+    return best, tokens
+
+
 def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: str, n_tokens: int, reference):
     """Batch-1 decode from the GGUF's own blocks: the fused step and the same engine on torch
     ops, their tokens against each other and against the fp32 reference's."""
@@ -246,7 +265,7 @@ def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: s
         runs[step] = lambda n, e=eng: engine_tokens_of(e, prompt, n)
         rates[step], tokens[step] = decode_rate(runs[step], n_tokens, 3)
     main = steps[0]
-    ref_diff = first_difference(tokens[main], reference) if reference else "n/a"
+    ref_diff = agreement(tokens[main], reference) if reference else "n/a"
     return (
         {
             "weights": f"{weights}/{activations}",
@@ -255,16 +274,8 @@ def bench_decode_quant(model_dir: Path, gguf: Path, weights: str, activations: s
             "fused_tok_s": round(rates["fused"], 1) if "fused" in rates else "n/a",
             "ops_tok_s": round(rates["ops"], 1),
             "weight_mb": round(model_weight_bytes(model) / 1e6, 1),
-            "fused_vs_ops": "n/a"
-            if "fused" not in tokens
-            else (
-                "equal"
-                if tokens["fused"] == tokens["ops"]
-                else f"differ at {first_difference(tokens['fused'], tokens['ops'])}"
-            ),
-            "vs_fp32_reference": "equal"
-            if ref_diff is None
-            else (f"differ at {ref_diff}" if ref_diff != "n/a" else ref_diff),
+            "fused_vs_ops": agreement(tokens["fused"], tokens["ops"]) if "fused" in tokens else "n/a",
+            "vs_fp32_reference": ref_diff,
         },
         tokens[main],
         prompt,

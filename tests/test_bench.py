@@ -1,6 +1,10 @@
 """The benchmark's own judgements: how it reports where a peer's greedy tokens part from ours."""
 
-from nanoserve.bench import describe_difference, first_difference, scores_at
+from types import SimpleNamespace
+
+import pytest
+
+from nanoserve.bench import agreement, decode_turns, describe_difference, first_difference, scores_at
 from nanoserve.generate import greedy_tokens
 
 
@@ -8,6 +12,34 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_agreement_is_how_the_tables_write_it():
+    assert agreement([1, 2, 3], [1, 2, 3]) == "equal"
+    assert agreement([1, 2, 3], [1, 5, 3]) == "differ at 1"
+    assert agreement([1, 2], [1, 2, 3]) == "differ at 2"
+
+
+class FakeEngine:
+    """generate() answers n tokens counting up from `start`; `drift` moves the start by one on
+    each whole run of n_tokens, an engine whose greedy tokens change between turns."""
+
+    def __init__(self, start=0, drift=False, n_tokens=6):
+        self.start, self.drift, self.n_tokens = start, drift, n_tokens
+
+    def generate(self, prompts, params, use_tqdm=False):
+        out = list(range(self.start, self.start + params.max_tokens))
+        if self.drift and params.max_tokens == self.n_tokens:
+            self.start += 1
+        return [SimpleNamespace(token_ids=out)]
+
+
+def test_decode_turns_keeps_each_engines_tokens_and_refuses_tokens_that_change():
+    best, tokens = decode_turns({"a": FakeEngine(0), "b": FakeEngine(7)}, [1, 2], 6, reps=2)
+    assert set(best) == {"a", "b"} and all(r > 0 for r in best.values())
+    assert tokens == {"a": [0, 1, 2, 3, 4, 5], "b": [7, 8, 9, 10, 11, 12]}
+    with pytest.raises(AssertionError, match="other tokens on another turn"):
+        decode_turns({"a": FakeEngine(0), "moving": FakeEngine(0, drift=True)}, [1, 2], 6, reps=2)
 
 
 def test_a_peers_difference_comes_with_both_tokens_scores(tmp_path):

@@ -33,10 +33,10 @@ import torch
 from nanocourse import engine_config, write_csv
 from nanoserve.bench import (
     DECODE_PROMPT,
+    agreement,
     cpu_line,
-    decode_rate,
+    decode_turns,
     engine_tokens_of,
-    first_difference,
     llama_bench_decode,
     llama_server_decode,
     read_bandwidth_gbs,
@@ -75,21 +75,13 @@ def engine(model, tok, step: str = "ops") -> Engine:
     return Engine(model, tok, engine_config(60, max_batch=1, linear="plain"))
 
 
-def same(tokens, reference) -> str:
-    d = first_difference(tokens, reference)
-    return "equal" if d is None else f"differ at {d}"
+same = agreement  # "equal" or "differ at N" (the name the notebook uses)
 
 
 def decode_table(ms, tok, n_tokens, reps, bandwidth, llama_server=None, llama_bench=None, threads=2):
     prompt = tok.encode_chat([{"role": "user", "content": DECODE_PROMPT}])
     engines = {(name, step): engine(ms[w], tok, step) for name, w, step in VARIANTS}
-    best: dict = {}
-    tokens: dict = {}
-    for _ in range(reps):  # the variants take turns; each keeps its best
-        for key, eng in engines.items():
-            rate, toks = decode_rate(lambda n, e=eng: engine_tokens_of(e, prompt, n), n_tokens)
-            best[key] = max(best.get(key, 0.0), rate)
-            assert tokens.setdefault(key, toks) == toks, f"{key} gave other tokens on another turn"
+    best, tokens = decode_turns(engines, prompt, n_tokens, reps)  # the variants take turns
     reference = tokens[("fp32", "ops")]
     rows = []
     for name, w, step in VARIANTS:

@@ -39,9 +39,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanocourse import engine_config, top2_gap, write_csv
 from nanoserve.bench import (
     DECODE_PROMPT,
+    agreement,
     cpu_line,
-    decode_rate,
-    engine_tokens_of,
+    decode_turns,
     first_difference,
     llama_bench_decode,
     llama_server_decode,
@@ -218,22 +218,19 @@ def peer_table(llama_server: str, llama_bench: str | None, n_tokens: int = 64, r
         for step in ("ops", "fused"):
             config = engine_config(61, max_batch=1, decode_step=step, linear="plain")
             engines[(f"q4_1/{acts}", step)] = Engine(model, tok, config)
-    best, tokens = {}, {}
-    for _ in range(reps):  # the engines take turns; each keeps its best
-        for key, eng in engines.items():
-            rate, toks = decode_rate(lambda n, e=eng: engine_tokens_of(e, prompt, n), n_tokens)
-            best[key] = max(best.get(key, 0.0), rate)
-            assert tokens.setdefault(key, toks) == toks, f"{key} gave other tokens on another turn"
+    best, tokens = decode_turns(engines, prompt, n_tokens, reps)
     # the two steps sum the same products in other orders: fp32 activations must give the same
     # tokens; int8 activations may part at a near tie (a rounding moves an activation one int8
     # step), and the table says where, and how far apart the top two logits were there
-    parted = {}
+    parted, gaps = {}, {}  # variant -> "equal" / "differ at N"; -> the top-2 gap at N
     for acts in ("fp32", "int8"):
-        ops, fused = tokens[(f"q4_1/{acts}", "ops")], tokens[(f"q4_1/{acts}", "fused")]
+        variant = f"q4_1/{acts}"
+        ops, fused = tokens[(variant, "ops")], tokens[(variant, "fused")]
         p = first_difference(ops, fused)
         assert p is None or acts == "int8", f"fp32 activations: the fused step parts from the ops step at {p}"
+        parted[variant] = agreement(fused, ops)
         if p is not None:
-            parted[f"q4_1/{acts}"] = (p, round(top2_gap(models[acts], prompt + ops[:p]), 3))
+            gaps[variant] = round(top2_gap(models[acts], prompt + ops[:p]), 3)
     rate, peer = llama_server_decode(llama_server, gguf, prompt, n_tokens, torch.get_num_threads())
     best[("llama-server", "llama.cpp")], tokens[("llama-server", "llama.cpp")] = rate, peer
     if llama_bench:
@@ -242,8 +239,6 @@ def peer_table(llama_server: str, llama_bench: str | None, n_tokens: int = 64, r
         )
     rows = []
     for (variant, step), r in best.items():
-        d = first_difference(tokens[(variant, step)], peer) if (variant, step) in tokens else "n/a"
-        p, gap = parted.get(variant, (None, ""))
         rows.append(
             {
                 "variant": variant,
@@ -251,13 +246,12 @@ def peer_table(llama_server: str, llama_bench: str | None, n_tokens: int = 64, r
                 "tokens": n_tokens,
                 "tok_s": round(r, 1),
                 "vs_llama_server": round(r / best[("llama-server", "llama.cpp")], 2),
-                "tokens_vs_llama_server": "equal"
-                if d is None
-                else "n/a (empty context)"
-                if d == "n/a"
-                else f"differ at {d}",
-                "fused_vs_ops": "n/a" if step == "llama.cpp" else "equal" if p is None else f"differ at {p}",
-                "top2_gap_there": gap,
+                # llama-bench decodes from an empty context: no tokens to compare
+                "tokens_vs_llama_server": agreement(tokens[(variant, step)], peer)
+                if (variant, step) in tokens
+                else "n/a (empty context)",
+                "fused_vs_ops": parted.get(variant, "n/a"),
+                "top2_gap_there": gaps.get(variant, ""),
             }
         )
     return rows
